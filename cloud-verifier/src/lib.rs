@@ -1,0 +1,3 @@
+//! The cloud verifier: decides which speculated tokens the LLM keeps.
+
+pub mod verify;

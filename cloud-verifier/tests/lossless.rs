@@ -1,0 +1,305 @@
+//! Statistical losslessness of tree verification: whatever the draft proposes, the emitted tokens
+//! follow the LLM's distribution. Chi-square tests over many draws with fixed p and q.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specinfer_kernels::sampling::{normalise, sample};
+use specinfer_verifier::verify::{verify_greedy, verify_naive_sampling, verify_stochastic};
+use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+const DRAWS: usize = 100_000;
+
+/// p-value of observed counts against expected probabilities. Cells with expected count < 5 are
+/// pooled; any observation in a cell of probability 0 gives p-value 0.
+fn chi_square_p(observed: &[u64], expected: &[f64]) -> f64 {
+    let n: u64 = observed.iter().sum();
+    let (mut stat, mut cells) = (0.0, 0usize);
+    let (mut pool_o, mut pool_e) = (0.0, 0.0);
+    for (&o, &e) in observed.iter().zip(expected) {
+        let e = e * n as f64;
+        if e == 0.0 {
+            if o > 0 {
+                return 0.0;
+            }
+            continue;
+        }
+        if e < 5.0 {
+            pool_o += o as f64;
+            pool_e += e;
+        } else {
+            stat += (o as f64 - e).powi(2) / e;
+            cells += 1;
+        }
+    }
+    if pool_e > 0.0 {
+        stat += (pool_o - pool_e).powi(2) / pool_e;
+        cells += 1;
+    }
+    let dof = (cells - 1) as f64;
+    1.0 - ChiSquared::new(dof).unwrap().cdf(stat)
+}
+
+const P: [f32; 8] = [0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02];
+
+fn sparse(node: u32, q: &[(u32, f32)]) -> SparseDist {
+    let total: f32 = q.iter().map(|x| x.1).sum();
+    SparseDist {
+        node,
+        ids: q.iter().map(|x| x.0).collect(),
+        probs: q.iter().map(|x| x.1 / total).collect(),
+    }
+}
+
+/// Draws `k` children from `q`, i.i.d. or without replacement.
+fn draw(q: &SparseDist, k: usize, mode: DrawMode, rng: &mut impl Rng) -> Vec<u32> {
+    let mut w = q.probs.clone();
+    (0..k)
+        .map(|_| {
+            let i = sample(&w, rng.random());
+            if mode == DrawMode::WithoutReplacement {
+                w[i] = 0.0;
+            }
+            q.ids[i]
+        })
+        .collect()
+}
+
+/// A depth-1 tree: root with `k` children drawn from `q`.
+fn star(q: &SparseDist, k: usize, mode: DrawMode, rng: &mut impl Rng) -> TokenTree {
+    let kids = draw(q, k, mode, rng);
+    let mut tokens = vec![0];
+    tokens.extend(&kids);
+    TokenTree::new(tokens, vec![0; k])
+        .unwrap()
+        .with_proposals(Proposals { mode, dists: vec![q.clone()], drawn_from: vec![0; k] })
+        .unwrap()
+}
+
+fn first_token(tree: &TokenTree, v: &specinfer_verifier::verify::Verdict) -> u32 {
+    v.tokens(tree)[0]
+}
+
+fn cases() -> Vec<(&'static str, SparseDist, usize)> {
+    vec![
+        ("q close to p", sparse(0, &[(0, 0.28), (1, 0.22), (2, 0.15), (3, 0.12), (4, 0.08), (5, 0.08), (6, 0.05), (7, 0.02)]), 3),
+        ("q far from p", sparse(0, &[(7, 0.4), (6, 0.3), (5, 0.2), (0, 0.1)]), 3),
+        ("q misses p's mode", sparse(0, &[(1, 0.5), (2, 0.3), (3, 0.2)]), 2),
+        ("q peaked: duplicate draws", sparse(0, &[(4, 0.9), (6, 0.1)]), 2),
+    ]
+}
+
+fn uniform(_: usize) -> Vec<f32> {
+    vec![1.0 / 8.0; 8]
+}
+
+fn expected() -> Vec<f64> {
+    P.iter().map(|&x| x as f64).collect()
+}
+
+#[test]
+fn multi_step_speculative_sampling_follows_p() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for (name, q, k) in cases() {
+        let mut counts = [0u64; 8];
+        let mut duplicate_trees = 0;
+        for _ in 0..DRAWS {
+            let tree = star(&q, k, DrawMode::Iid, &mut rng);
+            duplicate_trees += (tree.tokens()[1] == tree.tokens()[2]) as u32;
+            let v = verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            counts[first_token(&tree, &v) as usize] += 1;
+        }
+        let pv = chi_square_p(&counts, &expected());
+        println!("MSS, {name}: p-value {pv:.4}, {duplicate_trees} trees with duplicate draws");
+        assert!(pv > 1e-3, "MSS is not lossless for {name}: p-value {pv}, counts {counts:?}");
+        if name.contains("duplicate") {
+            assert!(duplicate_trees > DRAWS as u32 / 2, "the duplicate case must exercise duplicates");
+        }
+    }
+}
+
+#[test]
+fn recursive_rejection_sampling_follows_p() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for (name, q, k) in cases() {
+        let mut counts = [0u64; 8];
+        for _ in 0..DRAWS {
+            let tree = star(&q, k, DrawMode::WithoutReplacement, &mut rng);
+            let v = verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            counts[first_token(&tree, &v) as usize] += 1;
+        }
+        let pv = chi_square_p(&counts, &expected());
+        println!("RRS, {name}: p-value {pv:.4}");
+        assert!(pv > 1e-3, "RRS is not lossless for {name}: p-value {pv}, counts {counts:?}");
+    }
+}
+
+#[test]
+fn naive_sampling_follows_p() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for (name, q, k) in cases() {
+        let mut counts = [0u64; 8];
+        for _ in 0..DRAWS {
+            let tree = star(&q, k, DrawMode::Iid, &mut rng);
+            let v = verify_naive_sampling(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            counts[first_token(&tree, &v) as usize] += 1;
+        }
+        let pv = chi_square_p(&counts, &expected());
+        println!("naive, {name}: p-value {pv:.4}");
+        assert!(pv > 1e-3, "naive sampling is not lossless for {name}: p-value {pv}");
+    }
+}
+
+/// MSS on a depth-1 tree written out independently, with the residual left unnormalised between
+/// children: the bug the chi-square test must catch.
+fn broken_mss_first_token(tree: &TokenTree, rng: &mut impl Rng) -> u32 {
+    let q = &tree.proposals().unwrap().dists[0];
+    let mut p = P.to_vec();
+    for &x in &tree.tokens()[1..] {
+        if rng.random::<f32>() * q.prob(x) < p[x as usize] {
+            return x;
+        }
+        for (&t, &w) in q.ids.iter().zip(&q.probs) {
+            p[t as usize] = (p[t as usize] - w).max(0.0);
+        }
+    }
+    sample(&p, rng.random()) as u32
+}
+
+#[test]
+fn the_chi_square_test_catches_a_missing_residual_normalisation() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    // The residual after one rejection keeps mass on token 0, which later draws can propose.
+    let q = sparse(0, &[(0, 0.2), (1, 0.5), (2, 0.3)]);
+    let mut counts = [0u64; 8];
+    for _ in 0..DRAWS {
+        let tree = star(&q, 3, DrawMode::Iid, &mut rng);
+        counts[broken_mss_first_token(&tree, &mut rng) as usize] += 1;
+    }
+    let pv = chi_square_p(&counts, &expected());
+    println!("broken MSS: p-value {pv:e}");
+    assert!(pv < 1e-3, "the broken variant passed: the test has no power (p-value {pv})");
+}
+
+/// Conditional distributions for a two-token test over a 6-token vocabulary.
+fn p2(x1: u32) -> Vec<f32> {
+    let mut p: Vec<f32> = (0..6).map(|t| 1.0 + ((t * 7 + x1 * 3) % 6) as f32).collect();
+    p[(x1 as usize + 1) % 6] *= 4.0;
+    normalise(&mut p);
+    p
+}
+
+#[test]
+fn two_emitted_tokens_follow_the_joint_distribution() {
+    let p1: Vec<f32> = vec![0.35, 0.25, 0.15, 0.1, 0.1, 0.05];
+    let q0 = sparse(0, &[(0, 0.1), (1, 0.5), (2, 0.2), (5, 0.2)]);
+    let q1 = |node: u32, x1: u32| sparse(node, &[((x1 + 2) % 6, 0.5), ((x1 + 1) % 6, 0.3), (x1, 0.2)]);
+    for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut counts = vec![0u64; 36];
+        for _ in 0..DRAWS * 2 {
+            let first = draw(&q0, 2, mode, &mut rng);
+            let mut tokens = vec![0, first[0], first[1]];
+            let mut parents = vec![0, 0];
+            let mut dists = vec![q0.clone()];
+            let mut drawn_from = vec![0, 0];
+            for (i, &x1) in first.iter().enumerate() {
+                let node = i as u32 + 1;
+                let q = q1(node, x1);
+                for x2 in draw(&q, 2, mode, &mut rng) {
+                    tokens.push(x2);
+                    parents.push(node);
+                    drawn_from.push(dists.len() as u32);
+                }
+                dists.push(q);
+            }
+            let tree = TokenTree::new(tokens, parents)
+                .unwrap()
+                .with_proposals(Proposals { mode, dists, drawn_from })
+                .unwrap();
+            let dist = |n: usize| match tree.depths()[n] {
+                0 => p1.clone(),
+                1 => p2(tree.token(n)),
+                _ => vec![1.0 / 6.0; 6],
+            };
+            let out = verify_stochastic(&tree, dist, &mut rng).tokens(&tree);
+            // A round that emitted one token continues from it: its next token is a fresh draw
+            // from p(. | x1), which the single-token tests above show every round produces.
+            let second = match out.get(1) {
+                Some(&t) => t,
+                None => sample(&p2(out[0]), rng.random()) as u32,
+            };
+            counts[(out[0] * 6 + second) as usize] += 1;
+        }
+        let joint: Vec<f64> =
+            (0..36).map(|c| p1[c / 6] as f64 * p2(c as u32 / 6)[c % 6] as f64).collect();
+        let pv = chi_square_p(&counts, &joint);
+        println!("two tokens, {mode:?}: p-value {pv:.4}");
+        assert!(pv > 1e-3, "joint of two tokens is off for {mode:?}: p-value {pv}");
+    }
+}
+
+/// A deterministic stand-in LLM over 16 tokens whose logits depend on the whole path.
+fn toy_logits(path: &[u32]) -> Vec<f32> {
+    let mut h: u64 = 1469598103934665603;
+    for &t in path {
+        h = (h ^ t as u64).wrapping_mul(1099511628211);
+    }
+    (0..16u64).map(|t| ((h.rotate_left(t as u32 * 4) ^ t.wrapping_mul(0x9E37)) % 1000) as f32).collect()
+}
+
+#[test]
+fn greedy_emits_exactly_the_argmax_path() {
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    for _ in 0..500 {
+        let prefix = vec![rng.random_range(0..16u32)];
+        // The greedy continuation of the prefix.
+        let mut greedy = prefix.clone();
+        for _ in 0..12 {
+            let l = toy_logits(&greedy);
+            greedy.push(specinfer_kernels::sampling::argmax(&l) as u32);
+        }
+        // A random tree that contains the first `d` greedy tokens as one path, plus distractors
+        // with distinct sibling tokens.
+        let d = rng.random_range(0..8usize);
+        let mut tree = TokenTree::root(prefix[0]);
+        let mut node = 0u32;
+        for g in &greedy[1..=d] {
+            node = tree.push(node, *g);
+        }
+        for _ in 0..rng.random_range(0..20) {
+            let parent = rng.random_range(0..tree.len()) as u32;
+            let t = rng.random_range(0..16u32);
+            let siblings = tree.children()[parent as usize].clone();
+            if siblings.iter().all(|&s| tree.token(s as usize) != t) {
+                tree.push(parent, t);
+            }
+        }
+        let paths: Vec<Vec<u32>> = (0..tree.len())
+            .map(|n| tree.path_to(n).iter().map(|&i| tree.token(i as usize)).collect())
+            .collect();
+        let logits: Vec<Vec<f32>> = paths.iter().map(|p| toy_logits(p)).collect();
+        let v = verify_greedy(&tree, |n| &logits[n]);
+        let out = v.tokens(&tree);
+        // The longest root path agreeing with the greedy continuation decides the length.
+        let deepest = paths.iter().filter(|p| greedy.starts_with(p)).map(|p| p.len()).max().unwrap();
+        assert!(deepest > d);
+        assert_eq!(out, greedy[1..deepest + 1].to_vec(), "tree {tree:?}");
+        assert_eq!(v.accepted.len(), deepest - 1);
+    }
+}
+
+#[test]
+fn mss_accepts_more_than_naive_sampling_on_the_same_trees() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (q, k) = (cases()[0].1.clone(), 3);
+    let (mut mss, mut naive) = (0usize, 0usize);
+    for _ in 0..DRAWS / 5 {
+        let tree = star(&q, k, DrawMode::Iid, &mut rng);
+        mss += verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng).accepted.len();
+        naive += verify_naive_sampling(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng).accepted.len();
+    }
+    let ratio = mss as f64 / naive as f64;
+    println!("accepted drafts per call: MSS {:.3}, naive {:.3}, ratio {ratio:.2}", mss as f64 / (DRAWS / 5) as f64, naive as f64 / (DRAWS / 5) as f64);
+    assert!(ratio > 1.2, "MSS should accept clearly more than naive sampling; ratio {ratio}");
+}

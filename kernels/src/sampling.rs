@@ -1,0 +1,120 @@
+//! Turning logits into the distributions that drafting and verification sample from.
+//!
+//! Both sides of the protocol must agree on these exactly (the draft's proposal probabilities
+//! travel on the wire and the verifier's acceptance test divides by them), so one implementation
+//! serves the edge, the browser and the verifier.
+
+/// Index of the largest value; ties go to the lowest index so greedy decoding is deterministic.
+pub fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in x.iter().enumerate() {
+        if v > x[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Softmax of `logits / temperature`, restricted to the `top_k` most likely tokens (0: all) and
+/// then to the smallest set whose mass reaches `top_p`, renormalised. Tokens outside get exactly 0.
+/// `temperature` must be > 0 (greedy decoding does not need a distribution).
+pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f32> {
+    assert!(temperature > 0.0, "temperature must be positive");
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut p: Vec<f32> = logits.iter().map(|&l| ((l - max) / temperature).exp()).collect();
+    let restrict = (top_k > 0 && top_k < p.len()) || top_p < 1.0;
+    if restrict {
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        order.sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let mut keep = if top_k > 0 { top_k.min(p.len()) } else { p.len() };
+        if top_p < 1.0 {
+            let total: f64 = order[..keep].iter().map(|&i| p[i] as f64).sum();
+            let mut mass = 0f64;
+            for (n, &i) in order[..keep].iter().enumerate() {
+                mass += p[i] as f64;
+                if mass >= top_p as f64 * total {
+                    keep = n + 1;
+                    break;
+                }
+            }
+        }
+        for &i in &order[keep..] {
+            p[i] = 0.0;
+        }
+    }
+    normalise(&mut p);
+    p
+}
+
+/// Scales `p` to sum to 1. Returns false (and leaves `p` unchanged) when it has no mass.
+pub fn normalise(p: &mut [f32]) -> bool {
+    let total: f64 = p.iter().map(|&x| x as f64).sum();
+    if total <= 0.0 || !total.is_finite() {
+        return false;
+    }
+    let inv = (1.0 / total) as f32;
+    p.iter_mut().for_each(|x| *x *= inv);
+    true
+}
+
+/// Inverse-CDF draw from `p` (not necessarily normalised) with a uniform `u` in [0, 1). Never
+/// returns an index of probability 0.
+pub fn sample(p: &[f32], u: f64) -> usize {
+    let total: f64 = p.iter().map(|&x| x as f64).sum();
+    let target = u * total;
+    let mut acc = 0f64;
+    let mut last = 0;
+    for (i, &x) in p.iter().enumerate() {
+        if x > 0.0 {
+            acc += x as f64;
+            last = i;
+            if target < acc {
+                return i;
+            }
+        }
+    }
+    last
+}
+
+/// The `k` most likely tokens of `p`, renormalised: the sparse proposal a draft sends.
+pub fn top_k_sparse(p: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut order: Vec<u32> = (0..p.len() as u32).filter(|&i| p[i as usize] > 0.0).collect();
+    order.sort_unstable_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+    order.truncate(k.max(1));
+    let mut probs: Vec<f32> = order.iter().map(|&i| p[i as usize]).collect();
+    normalise(&mut probs);
+    (order, probs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_and_top_p_restrict_and_renormalise() {
+        let logits = [0.0f32, 3.0, 1.0, 2.0];
+        let p = distribution(&logits, 1.0, 2, 1.0);
+        assert_eq!(p[0], 0.0);
+        assert_eq!(p[2], 0.0);
+        assert!((p[1] + p[3] - 1.0).abs() < 1e-6 && p[1] > p[3]);
+        // top_p small enough keeps only the mode.
+        let p = distribution(&logits, 1.0, 0, 0.1);
+        assert_eq!(p, vec![0.0, 1.0, 0.0, 0.0]);
+        // High temperature flattens.
+        let p = distribution(&logits, 100.0, 0, 1.0);
+        assert!(p.iter().all(|&x| (x - 0.25).abs() < 0.01));
+    }
+
+    #[test]
+    fn sampling_skips_zero_mass_and_follows_the_cdf() {
+        let p = [0.0f32, 0.25, 0.0, 0.75];
+        assert_eq!(sample(&p, 0.0), 1);
+        assert_eq!(sample(&p, 0.2499), 1);
+        assert_eq!(sample(&p, 0.25), 3);
+        assert_eq!(sample(&p, 0.999_999_9), 3);
+        assert_eq!(argmax(&[1.0, 3.0, 3.0]), 1);
+        let (ids, probs) = top_k_sparse(&[0.1, 0.5, 0.0, 0.4], 2);
+        assert_eq!(ids, vec![1, 3]);
+        assert!((probs[0] - 5.0 / 9.0).abs() < 1e-6);
+    }
+}

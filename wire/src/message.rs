@@ -1,0 +1,248 @@
+//! Every message either side can send. A connection starts with `ClientHello` / `ServerHello`;
+//! then any number of sessions are opened, verified round by round, and closed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Limits, TokenTree, TreeError};
+
+/// What identifies a model's token space: two sides only agree on token ids if all of this matches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelFingerprint {
+    pub vocab_size: u32,
+    pub bos: Option<u32>,
+    pub eos: Vec<u32>,
+    /// SHA-256 of the tokenizer's canonical JSON.
+    pub tokenizer_sha256: [u8; 32],
+}
+
+impl std::fmt::Display for ModelFingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "vocab {} bos {:?} eos {:?} tokenizer ", self.vocab_size, self.bos, self.eos)?;
+        self.tokenizer_sha256[..8].iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClientHello {
+    pub protocol_version: u16,
+    /// The client's tokenizer; the server refuses the connection when it differs from its own.
+    pub expected_model: ModelFingerprint,
+    pub api_key: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerHello {
+    pub protocol_version: u16,
+    pub model_name: String,
+    pub model: ModelFingerprint,
+    pub limits: Limits,
+}
+
+/// How the verifier decides which drafted tokens to keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VerifyMode {
+    /// SpecInfer VerifyGreedy: output is token-identical to greedy decoding of the LLM alone.
+    Greedy,
+    /// Multi-step speculative sampling (or recursive rejection sampling, by the tree's draw mode):
+    /// output is distributed exactly as sampling from the LLM. Needs proposals in the tree.
+    Stochastic,
+    /// Sample from the LLM and keep the draft only where it happens to match; lossless too, but
+    /// accepts less. For ablation.
+    Naive,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    pub mode: VerifyMode,
+    /// Applied to the LLM's logits before verification; ignored in greedy mode.
+    pub temperature: f32,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: u32,
+    /// The verifier's RNG for this session is seeded from this, so a session's output is
+    /// reproducible whatever else shared its batches.
+    pub seed: u64,
+    pub max_new_tokens: u32,
+    pub stop_ids: Vec<u32>,
+}
+
+impl SamplingParams {
+    pub fn greedy(max_new_tokens: u32) -> Self {
+        SamplingParams {
+            mode: VerifyMode::Greedy,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            max_new_tokens,
+            stop_ids: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpenSession {
+    /// Chosen by the client, unique on its connection.
+    pub session: u64,
+    /// Committed tokens so far (prompt, plus any earlier output when re-opening). The last one is
+    /// the root of the first round's tree and is not prefilled.
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SessionOpened {
+    pub session: u64,
+    /// Presented to resume the session on a new connection within the grace period.
+    pub resume_token: [u8; 16],
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Verify {
+    pub session: u64,
+    pub round: u32,
+    pub tree: TokenTree,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundStats {
+    pub tree_nodes: u32,
+    /// How many sequences shared the forward pass.
+    pub batch_size: u32,
+    pub queue_us: u32,
+    pub forward_us: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Verified {
+    pub session: u64,
+    pub round: u32,
+    /// Tree nodes whose tokens were accepted, root-to-leaf, excluding the root. The edge rolls its
+    /// draft state back to this path.
+    pub accepted_nodes: Vec<u32>,
+    /// The token the LLM produced itself after the accepted path (bonus or correction). It is the
+    /// root of the next round's tree.
+    pub next_token: u32,
+    pub finish: Option<FinishReason>,
+    pub stats: RoundStats,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    BadFrame,
+    UnsupportedVersion,
+    Unauthorized,
+    ModelMismatch,
+    UnknownSession,
+    SessionExists,
+    Busy,
+    LimitExceeded,
+    OutOfOrder,
+    Internal,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorFrame {
+    pub code: ErrorCode,
+    /// Set when the error concerns one session only; the connection stays usable.
+    pub session: Option<u64>,
+    pub message: String,
+    /// For `Busy`: when a retry has a chance.
+    pub retry_after_ms: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    ClientHello(ClientHello),
+    ServerHello(ServerHello),
+    OpenSession(OpenSession),
+    SessionOpened(SessionOpened),
+    Verify(Verify),
+    Verified(Verified),
+    Error(ErrorFrame),
+    Close { session: u64 },
+}
+
+/// Why a well-framed message was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvalidMessage {
+    #[error("{what} has {got} entries, the limit is {limit}")]
+    TooLong { what: &'static str, got: usize, limit: usize },
+    #[error("sampling parameter {0}")]
+    BadParam(String),
+    #[error(transparent)]
+    Tree(#[from] TreeError),
+}
+
+impl Message {
+    /// Checks sizes and internal consistency. Vocabulary bounds need the model and are checked by
+    /// the verifier with [`TokenTree::validate`].
+    pub fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {
+        let bound = |what, got: usize, limit: u32| {
+            if got > limit as usize {
+                Err(InvalidMessage::TooLong { what, got, limit: limit as usize })
+            } else {
+                Ok(())
+            }
+        };
+        match self {
+            Message::ClientHello(h) => {
+                bound("api key", h.api_key.as_ref().map_or(0, String::len), limits.max_api_key_bytes)?;
+                bound("eos ids", h.expected_model.eos.len(), limits.max_stop_ids)
+            }
+            Message::ServerHello(h) => bound("model name", h.model_name.len(), limits.max_message_bytes),
+            Message::OpenSession(o) => {
+                bound("prompt", o.prompt.len(), limits.max_prompt_tokens)?;
+                if o.prompt.is_empty() {
+                    return Err(InvalidMessage::BadParam("prompt must hold at least one token".into()));
+                }
+                o.params.validate(limits)
+            }
+            Message::Verify(v) => {
+                bound("tree", v.tree.len(), limits.max_tree_nodes)?;
+                // The vocabulary is not known here; u32::MAX lets every token id through.
+                v.tree.validate(u32::MAX, limits)?;
+                Ok(())
+            }
+            Message::Verified(v) => bound("accepted path", v.accepted_nodes.len(), limits.max_tree_nodes),
+            Message::Error(e) => bound("error message", e.message.len(), limits.max_message_bytes),
+            Message::SessionOpened(_) | Message::Close { .. } => Ok(()),
+        }
+    }
+}
+
+impl SamplingParams {
+    fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {
+        let bad = |s: String| Err(InvalidMessage::BadParam(s));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0 && self.temperature <= 100.0) {
+            return bad(format!("temperature {} must be in [0, 100]", self.temperature));
+        }
+        if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p {} must be in (0, 1]", self.top_p));
+        }
+        if self.mode != VerifyMode::Greedy && self.temperature == 0.0 {
+            return bad("temperature 0 needs greedy mode".into());
+        }
+        if self.max_new_tokens == 0 || self.max_new_tokens > limits.max_new_tokens {
+            return bad(format!(
+                "max_new_tokens {} must be in 1..={}",
+                self.max_new_tokens, limits.max_new_tokens
+            ));
+        }
+        if self.stop_ids.len() > limits.max_stop_ids as usize {
+            return Err(InvalidMessage::TooLong {
+                what: "stop ids",
+                got: self.stop_ids.len(),
+                limit: limits.max_stop_ids as usize,
+            });
+        }
+        Ok(())
+    }
+}
