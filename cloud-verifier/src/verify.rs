@@ -34,7 +34,11 @@ pub struct Verdict {
 impl Verdict {
     /// Tokens to append to the sequence: the accepted drafts, then the LLM's own token.
     pub fn tokens(&self, tree: &TokenTree) -> Vec<u32> {
-        let mut t: Vec<u32> = self.accepted.iter().map(|&n| tree.token(n as usize)).collect();
+        let mut t: Vec<u32> = self
+            .accepted
+            .iter()
+            .map(|&n| tree.token(n as usize))
+            .collect();
         t.push(self.next_token);
         t
     }
@@ -50,7 +54,12 @@ impl Verdict {
 }
 
 fn empty_verdict() -> Verdict {
-    Verdict { accepted: Vec::new(), next_token: 0, accepted_at_depth: Vec::new(), rejected_at_depth: Vec::new() }
+    Verdict {
+        accepted: Vec::new(),
+        next_token: 0,
+        accepted_at_depth: Vec::new(),
+        rejected_at_depth: Vec::new(),
+    }
 }
 
 /// SpecInfer VerifyGreedy. `logits(node)` is the LLM's output at `node`.
@@ -132,7 +141,8 @@ pub fn verify_stochastic(
                 let d = props.drawn_from[c as usize - 1];
                 let q = &props.dists[d as usize];
                 let x = tree.token(c as usize);
-                let mut q_dense: Vec<(u32, f32)> = q.ids.iter().copied().zip(q.probs.iter().copied()).collect();
+                let mut q_dense: Vec<(u32, f32)> =
+                    q.ids.iter().copied().zip(q.probs.iter().copied()).collect();
                 if props.mode == DrawMode::WithoutReplacement {
                     let seen = match drawn.iter().position(|(k, _)| *k == d) {
                         Some(i) => &mut drawn[i].1,
@@ -146,7 +156,10 @@ pub fn verify_stochastic(
                     let total: f32 = q_dense.iter().map(|(_, w)| w).sum();
                     q_dense.iter_mut().for_each(|(_, w)| *w /= total);
                 }
-                let qx = q_dense.iter().find(|(t, _)| *t == x).map_or(0.0, |(_, w)| *w);
+                let qx = q_dense
+                    .iter()
+                    .find(|(t, _)| *t == x)
+                    .map_or(0.0, |(_, w)| *w);
                 let px = p[x as usize];
                 // Accept with min(1, p(x)/q(x)); qx > 0 because x was drawn from q.
                 if qx > 0.0 && rng.random::<f64>() * (qx as f64) < px as f64 {

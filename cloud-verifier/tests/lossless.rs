@@ -72,7 +72,11 @@ fn star(q: &SparseDist, k: usize, mode: DrawMode, rng: &mut impl Rng) -> TokenTr
     tokens.extend(&kids);
     TokenTree::new(tokens, vec![0; k])
         .unwrap()
-        .with_proposals(Proposals { mode, dists: vec![q.clone()], drawn_from: vec![0; k] })
+        .with_proposals(Proposals {
+            mode,
+            dists: vec![q.clone()],
+            drawn_from: vec![0; k],
+        })
         .unwrap()
 }
 
@@ -82,10 +86,38 @@ fn first_token(tree: &TokenTree, v: &specinfer_verifier::verify::Verdict) -> u32
 
 fn cases() -> Vec<(&'static str, SparseDist, usize)> {
     vec![
-        ("q close to p", sparse(0, &[(0, 0.28), (1, 0.22), (2, 0.15), (3, 0.12), (4, 0.08), (5, 0.08), (6, 0.05), (7, 0.02)]), 3),
-        ("q far from p", sparse(0, &[(7, 0.4), (6, 0.3), (5, 0.2), (0, 0.1)]), 3),
-        ("q misses p's mode", sparse(0, &[(1, 0.5), (2, 0.3), (3, 0.2)]), 2),
-        ("q peaked: duplicate draws", sparse(0, &[(4, 0.9), (6, 0.1)]), 2),
+        (
+            "q close to p",
+            sparse(
+                0,
+                &[
+                    (0, 0.28),
+                    (1, 0.22),
+                    (2, 0.15),
+                    (3, 0.12),
+                    (4, 0.08),
+                    (5, 0.08),
+                    (6, 0.05),
+                    (7, 0.02),
+                ],
+            ),
+            3,
+        ),
+        (
+            "q far from p",
+            sparse(0, &[(7, 0.4), (6, 0.3), (5, 0.2), (0, 0.1)]),
+            3,
+        ),
+        (
+            "q misses p's mode",
+            sparse(0, &[(1, 0.5), (2, 0.3), (3, 0.2)]),
+            2,
+        ),
+        (
+            "q peaked: duplicate draws",
+            sparse(0, &[(4, 0.9), (6, 0.1)]),
+            2,
+        ),
     ]
 }
 
@@ -106,14 +138,24 @@ fn multi_step_speculative_sampling_follows_p() {
         for _ in 0..DRAWS {
             let tree = star(&q, k, DrawMode::Iid, &mut rng);
             duplicate_trees += (tree.tokens()[1] == tree.tokens()[2]) as u32;
-            let v = verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            let v = verify_stochastic(
+                &tree,
+                |n| if n == 0 { P.to_vec() } else { uniform(n) },
+                &mut rng,
+            );
             counts[first_token(&tree, &v) as usize] += 1;
         }
         let pv = chi_square_p(&counts, &expected());
         println!("MSS, {name}: p-value {pv:.4}, {duplicate_trees} trees with duplicate draws");
-        assert!(pv > 1e-3, "MSS is not lossless for {name}: p-value {pv}, counts {counts:?}");
+        assert!(
+            pv > 1e-3,
+            "MSS is not lossless for {name}: p-value {pv}, counts {counts:?}"
+        );
         if name.contains("duplicate") {
-            assert!(duplicate_trees > DRAWS as u32 / 2, "the duplicate case must exercise duplicates");
+            assert!(
+                duplicate_trees > DRAWS as u32 / 2,
+                "the duplicate case must exercise duplicates"
+            );
         }
     }
 }
@@ -125,12 +167,19 @@ fn recursive_rejection_sampling_follows_p() {
         let mut counts = [0u64; 8];
         for _ in 0..DRAWS {
             let tree = star(&q, k, DrawMode::WithoutReplacement, &mut rng);
-            let v = verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            let v = verify_stochastic(
+                &tree,
+                |n| if n == 0 { P.to_vec() } else { uniform(n) },
+                &mut rng,
+            );
             counts[first_token(&tree, &v) as usize] += 1;
         }
         let pv = chi_square_p(&counts, &expected());
         println!("RRS, {name}: p-value {pv:.4}");
-        assert!(pv > 1e-3, "RRS is not lossless for {name}: p-value {pv}, counts {counts:?}");
+        assert!(
+            pv > 1e-3,
+            "RRS is not lossless for {name}: p-value {pv}, counts {counts:?}"
+        );
     }
 }
 
@@ -141,12 +190,19 @@ fn naive_sampling_follows_p() {
         let mut counts = [0u64; 8];
         for _ in 0..DRAWS {
             let tree = star(&q, k, DrawMode::Iid, &mut rng);
-            let v = verify_naive_sampling(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng);
+            let v = verify_naive_sampling(
+                &tree,
+                |n| if n == 0 { P.to_vec() } else { uniform(n) },
+                &mut rng,
+            );
             counts[first_token(&tree, &v) as usize] += 1;
         }
         let pv = chi_square_p(&counts, &expected());
         println!("naive, {name}: p-value {pv:.4}");
-        assert!(pv > 1e-3, "naive sampling is not lossless for {name}: p-value {pv}");
+        assert!(
+            pv > 1e-3,
+            "naive sampling is not lossless for {name}: p-value {pv}"
+        );
     }
 }
 
@@ -178,12 +234,17 @@ fn the_chi_square_test_catches_a_missing_residual_normalisation() {
     }
     let pv = chi_square_p(&counts, &expected());
     println!("broken MSS: p-value {pv:e}");
-    assert!(pv < 1e-3, "the broken variant passed: the test has no power (p-value {pv})");
+    assert!(
+        pv < 1e-3,
+        "the broken variant passed: the test has no power (p-value {pv})"
+    );
 }
 
 /// Conditional distributions for a two-token test over a 6-token vocabulary.
 fn p2(x1: u32) -> Vec<f32> {
-    let mut p: Vec<f32> = (0..6).map(|t| 1.0 + ((t * 7 + x1 * 3) % 6) as f32).collect();
+    let mut p: Vec<f32> = (0..6)
+        .map(|t| 1.0 + ((t * 7 + x1 * 3) % 6) as f32)
+        .collect();
     p[(x1 as usize + 1) % 6] *= 4.0;
     normalise(&mut p);
     p
@@ -193,7 +254,8 @@ fn p2(x1: u32) -> Vec<f32> {
 fn two_emitted_tokens_follow_the_joint_distribution() {
     let p1: Vec<f32> = vec![0.35, 0.25, 0.15, 0.1, 0.1, 0.05];
     let q0 = sparse(0, &[(0, 0.1), (1, 0.5), (2, 0.2), (5, 0.2)]);
-    let q1 = |node: u32, x1: u32| sparse(node, &[((x1 + 2) % 6, 0.5), ((x1 + 1) % 6, 0.3), (x1, 0.2)]);
+    let q1 =
+        |node: u32, x1: u32| sparse(node, &[((x1 + 2) % 6, 0.5), ((x1 + 1) % 6, 0.3), (x1, 0.2)]);
     for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let mut counts = vec![0u64; 36];
@@ -215,7 +277,11 @@ fn two_emitted_tokens_follow_the_joint_distribution() {
             }
             let tree = TokenTree::new(tokens, parents)
                 .unwrap()
-                .with_proposals(Proposals { mode, dists, drawn_from })
+                .with_proposals(Proposals {
+                    mode,
+                    dists,
+                    drawn_from,
+                })
                 .unwrap();
             let dist = |n: usize| match tree.depths()[n] {
                 0 => p1.clone(),
@@ -231,11 +297,15 @@ fn two_emitted_tokens_follow_the_joint_distribution() {
             };
             counts[(out[0] * 6 + second) as usize] += 1;
         }
-        let joint: Vec<f64> =
-            (0..36).map(|c| p1[c / 6] as f64 * p2(c as u32 / 6)[c % 6] as f64).collect();
+        let joint: Vec<f64> = (0..36)
+            .map(|c| p1[c / 6] as f64 * p2(c as u32 / 6)[c % 6] as f64)
+            .collect();
         let pv = chi_square_p(&counts, &joint);
         println!("two tokens, {mode:?}: p-value {pv:.4}");
-        assert!(pv > 1e-3, "joint of two tokens is off for {mode:?}: p-value {pv}");
+        assert!(
+            pv > 1e-3,
+            "joint of two tokens is off for {mode:?}: p-value {pv}"
+        );
     }
 }
 
@@ -245,7 +315,9 @@ fn toy_logits(path: &[u32]) -> Vec<f32> {
     for &t in path {
         h = (h ^ t as u64).wrapping_mul(1099511628211);
     }
-    (0..16u64).map(|t| ((h.rotate_left(t as u32 * 4) ^ t.wrapping_mul(0x9E37)) % 1000) as f32).collect()
+    (0..16u64)
+        .map(|t| ((h.rotate_left(t as u32 * 4) ^ t.wrapping_mul(0x9E37)) % 1000) as f32)
+        .collect()
 }
 
 #[test]
@@ -276,13 +348,23 @@ fn greedy_emits_exactly_the_argmax_path() {
             }
         }
         let paths: Vec<Vec<u32>> = (0..tree.len())
-            .map(|n| tree.path_to(n).iter().map(|&i| tree.token(i as usize)).collect())
+            .map(|n| {
+                tree.path_to(n)
+                    .iter()
+                    .map(|&i| tree.token(i as usize))
+                    .collect()
+            })
             .collect();
         let logits: Vec<Vec<f32>> = paths.iter().map(|p| toy_logits(p)).collect();
         let v = verify_greedy(&tree, |n| &logits[n]);
         let out = v.tokens(&tree);
         // The longest root path agreeing with the greedy continuation decides the length.
-        let deepest = paths.iter().filter(|p| greedy.starts_with(p)).map(|p| p.len()).max().unwrap();
+        let deepest = paths
+            .iter()
+            .filter(|p| greedy.starts_with(p))
+            .map(|p| p.len())
+            .max()
+            .unwrap();
         assert!(deepest > d);
         assert_eq!(out, greedy[1..deepest + 1].to_vec(), "tree {tree:?}");
         assert_eq!(v.accepted.len(), deepest - 1);
@@ -296,10 +378,29 @@ fn mss_accepts_more_than_naive_sampling_on_the_same_trees() {
     let (mut mss, mut naive) = (0usize, 0usize);
     for _ in 0..DRAWS / 5 {
         let tree = star(&q, k, DrawMode::Iid, &mut rng);
-        mss += verify_stochastic(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng).accepted.len();
-        naive += verify_naive_sampling(&tree, |n| if n == 0 { P.to_vec() } else { uniform(n) }, &mut rng).accepted.len();
+        mss += verify_stochastic(
+            &tree,
+            |n| if n == 0 { P.to_vec() } else { uniform(n) },
+            &mut rng,
+        )
+        .accepted
+        .len();
+        naive += verify_naive_sampling(
+            &tree,
+            |n| if n == 0 { P.to_vec() } else { uniform(n) },
+            &mut rng,
+        )
+        .accepted
+        .len();
     }
     let ratio = mss as f64 / naive as f64;
-    println!("accepted drafts per call: MSS {:.3}, naive {:.3}, ratio {ratio:.2}", mss as f64 / (DRAWS / 5) as f64, naive as f64 / (DRAWS / 5) as f64);
-    assert!(ratio > 1.2, "MSS should accept clearly more than naive sampling; ratio {ratio}");
+    println!(
+        "accepted drafts per call: MSS {:.3}, naive {:.3}, ratio {ratio:.2}",
+        mss as f64 / (DRAWS / 5) as f64,
+        naive as f64 / (DRAWS / 5) as f64
+    );
+    assert!(
+        ratio > 1.2,
+        "MSS should accept clearly more than naive sampling; ratio {ratio}"
+    );
 }

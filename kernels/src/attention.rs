@@ -34,15 +34,29 @@ pub fn tree_attention(
     words_per_node: usize,
     out: &mut [f32],
 ) {
-    let AttentionShape { n_heads, n_kv_heads, head_dim } = shape;
+    let AttentionShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
     let row = n_heads * head_dim;
     let kv_row = n_kv_heads * head_dim;
     let n = q.len() / row;
     assert_eq!(q.len(), n * row, "q is not [n, heads, head_dim]");
     assert_eq!(out.len(), q.len());
-    assert!(k.len() >= (past + n) * kv_row && v.len() >= (past + n) * kv_row, "cache too short");
-    assert!(ancestors.len() >= n * words_per_node, "ancestor bitsets too short");
-    assert_eq!(n_heads % n_kv_heads, 0, "heads must be a multiple of kv heads");
+    assert!(
+        k.len() >= (past + n) * kv_row && v.len() >= (past + n) * kv_row,
+        "cache too short"
+    );
+    assert!(
+        ancestors.len() >= n * words_per_node,
+        "ancestor bitsets too short"
+    );
+    assert_eq!(
+        n_heads % n_kv_heads,
+        0,
+        "heads must be a multiple of kv heads"
+    );
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut acc = vec![0f32; head_dim];
@@ -50,7 +64,9 @@ pub fn tree_attention(
     for i in 0..n {
         let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
         let visible = (0..past).chain(
-            (0..=i).filter(|&j| bits[j / 64] >> (j % 64) & 1 == 1).map(|j| past + j),
+            (0..=i)
+                .filter(|&j| bits[j / 64] >> (j % 64) & 1 == 1)
+                .map(|j| past + j),
         );
         let visible: Vec<usize> = visible.collect();
         for h in 0..n_heads {
@@ -70,7 +86,9 @@ pub fn tree_attention(
                 }
                 let w = (s - max).exp();
                 denom += w;
-                acc.iter_mut().zip(&v[off..off + head_dim]).for_each(|(a, &x)| *a += w * x);
+                acc.iter_mut()
+                    .zip(&v[off..off + head_dim])
+                    .for_each(|(a, &x)| *a += w * x);
             }
             let o = &mut out[i * row + h * head_dim..i * row + (h + 1) * head_dim];
             o.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a / denom);
@@ -111,20 +129,28 @@ mod tests {
         past: usize,
         sees: &dyn Fn(usize, usize) -> bool,
     ) -> Vec<f32> {
-        let AttentionShape { n_heads, n_kv_heads, head_dim } = shape;
+        let AttentionShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } = shape;
         let n = q.len() / (n_heads * head_dim);
         let mut out = vec![0f32; q.len()];
         for i in 0..n {
             for h in 0..n_heads {
                 let kvh = h / (n_heads / n_kv_heads);
                 let qh = &q[(i * n_heads + h) * head_dim..][..head_dim];
-                let pos: Vec<usize> =
-                    (0..past).chain((0..n).filter(|&j| sees(i, j)).map(|j| past + j)).collect();
+                let pos: Vec<usize> = (0..past)
+                    .chain((0..n).filter(|&j| sees(i, j)).map(|j| past + j))
+                    .collect();
                 let scores: Vec<f64> = pos
                     .iter()
                     .map(|&p| {
                         let kk = &k[(p * n_kv_heads + kvh) * head_dim..][..head_dim];
-                        qh.iter().zip(kk).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                        qh.iter()
+                            .zip(kk)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
                             / (head_dim as f64).sqrt()
                     })
                     .collect();
@@ -134,7 +160,9 @@ mod tests {
                     let val: f64 = pos
                         .iter()
                         .zip(&scores)
-                        .map(|(&p, s)| (s - m).exp() / z * v[(p * n_kv_heads + kvh) * head_dim + d] as f64)
+                        .map(|(&p, s)| {
+                            (s - m).exp() / z * v[(p * n_kv_heads + kvh) * head_dim + d] as f64
+                        })
                         .sum();
                     out[(i * n_heads + h) * head_dim + d] = val as f32;
                 }
@@ -147,7 +175,11 @@ mod tests {
     fn matches_masked_reference_on_random_trees() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         for &(n, past) in &[(1usize, 0usize), (1, 5), (3, 2), (17, 9), (70, 3)] {
-            let shape = AttentionShape { n_heads: 6, n_kv_heads: 2, head_dim: 12 };
+            let shape = AttentionShape {
+                n_heads: 6,
+                n_kv_heads: 2,
+                head_dim: 12,
+            };
             let parents: Vec<usize> = (1..n).map(|i| rng.random_range(0..i)).collect();
             let wpn = n.div_ceil(64);
             let mut bits = vec![0u64; n * wpn];
@@ -161,14 +193,22 @@ mod tests {
                 bits[i * wpn + i / 64] |= 1 << (i % 64);
             }
             let sees = |i: usize, j: usize| bits[i * wpn + j / 64] >> (j % 64) & 1 == 1;
-            let mut r = |len| (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect::<Vec<_>>();
+            let mut r = |len| {
+                (0..len)
+                    .map(|_| rng.random_range(-2.0f32..2.0))
+                    .collect::<Vec<_>>()
+            };
             let q = r(n * 6 * 12);
             let k = r((past + n) * 2 * 12);
             let v = r((past + n) * 2 * 12);
             let mut out = vec![0f32; q.len()];
             tree_attention(shape, &q, &k, &v, past, &bits, wpn, &mut out);
             let want = reference(shape, &q, &k, &v, past, &sees);
-            let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let err = out
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(err < 1e-5, "n={n} past={past}: max abs err {err}");
         }
     }

@@ -21,12 +21,19 @@ pub fn argmax(x: &[f32]) -> usize {
 pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f32> {
     assert!(temperature > 0.0, "temperature must be positive");
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut p: Vec<f32> = logits.iter().map(|&l| ((l - max) / temperature).exp()).collect();
+    let mut p: Vec<f32> = logits
+        .iter()
+        .map(|&l| ((l - max) / temperature).exp())
+        .collect();
     let restrict = (top_k > 0 && top_k < p.len()) || top_p < 1.0;
     if restrict {
         let mut order: Vec<usize> = (0..p.len()).collect();
         order.sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-        let mut keep = if top_k > 0 { top_k.min(p.len()) } else { p.len() };
+        let mut keep = if top_k > 0 {
+            top_k.min(p.len())
+        } else {
+            p.len()
+        };
         if top_p < 1.0 {
             let total: f64 = order[..keep].iter().map(|&i| p[i] as f64).sum();
             let mut mass = 0f64;
@@ -78,7 +85,9 @@ pub fn sample(p: &[f32], u: f64) -> usize {
 
 /// The `k` most likely tokens of `p`, renormalised: the sparse proposal a draft sends.
 pub fn top_k_sparse(p: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut order: Vec<u32> = (0..p.len() as u32).filter(|&i| p[i as usize] > 0.0).collect();
+    let mut order: Vec<u32> = (0..p.len() as u32)
+        .filter(|&i| p[i as usize] > 0.0)
+        .collect();
     order.sort_unstable_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
     order.truncate(k.max(1));
     let mut probs: Vec<f32> = order.iter().map(|&i| p[i as usize]).collect();

@@ -65,14 +65,23 @@ pub fn frame_len(header: [u8; FRAME_HEADER_BYTES], limits: &Limits) -> Result<us
 pub fn decode_frame(body: &[u8], limits: &Limits) -> Result<Message, DecodeError> {
     let limit = (limits.max_frame_bytes as usize).min(BODY_CEILING);
     if body.len() > limit {
-        return Err(DecodeError::TooLarge { got: body.len(), limit });
+        return Err(DecodeError::TooLarge {
+            got: body.len(),
+            limit,
+        });
     }
     let [v0, v1, rest @ ..] = body else {
-        return Err(DecodeError::Truncated { got: body.len(), need: 2 });
+        return Err(DecodeError::Truncated {
+            got: body.len(),
+            need: 2,
+        });
     };
     let version = u16::from_le_bytes([*v0, *v1]);
     if version != PROTOCOL_VERSION {
-        return Err(DecodeError::UnsupportedVersion { got: version, ours: PROTOCOL_VERSION });
+        return Err(DecodeError::UnsupportedVersion {
+            got: version,
+            ours: PROTOCOL_VERSION,
+        });
     }
     let (msg, used): (Message, usize) = bincode::serde::decode_from_slice(rest, codec())
         .map_err(|e| DecodeError::Malformed(e.to_string()))?;
@@ -106,10 +115,22 @@ mod tests {
     fn trailing_bytes_and_oversize_are_refused() {
         let mut f = encode_frame(&Message::Close { session: 3 });
         f.push(0);
-        assert_eq!(decode_frame(body(&f), &Limits::default()), Err(DecodeError::TrailingBytes(1)));
-        let limits = Limits { max_frame_bytes: 100, ..Limits::default() };
-        assert!(matches!(frame_len(1000u32.to_le_bytes(), &limits), Err(DecodeError::TooLarge { .. })));
-        assert!(matches!(frame_len(u32::MAX.to_le_bytes(), &limits), Err(DecodeError::TooLarge { .. })));
+        assert_eq!(
+            decode_frame(body(&f), &Limits::default()),
+            Err(DecodeError::TrailingBytes(1))
+        );
+        let limits = Limits {
+            max_frame_bytes: 100,
+            ..Limits::default()
+        };
+        assert!(matches!(
+            frame_len(1000u32.to_le_bytes(), &limits),
+            Err(DecodeError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            frame_len(u32::MAX.to_le_bytes(), &limits),
+            Err(DecodeError::TooLarge { .. })
+        ));
     }
 
     #[test]
@@ -128,7 +149,10 @@ mod tests {
         forged.extend_from_slice(&(1u64 << 40).to_le_bytes());
         forged.extend_from_slice(&f[pos + 1..]);
         f = forged;
-        assert!(matches!(decode_frame(body(&f), &Limits::default()), Err(DecodeError::Malformed(_))));
+        assert!(matches!(
+            decode_frame(body(&f), &Limits::default()),
+            Err(DecodeError::Malformed(_))
+        ));
     }
 
     #[test]
@@ -146,21 +170,28 @@ mod tests {
             _ServerHello,
             _OpenSession,
             _SessionOpened,
-            Verify { session: u64, round: u32, tree: RawTree },
+            Verify {
+                session: u64,
+                round: u32,
+                tree: RawTree,
+            },
         }
         let raw = RawMessage::Verify {
             session: 1,
             round: 0,
-            tree: RawTree { tokens: vec![1, 2, 3], parents: vec![0, 2], proposals: None },
+            tree: RawTree {
+                tokens: vec![1, 2, 3],
+                parents: vec![0, 2],
+                proposals: None,
+            },
         };
         let mut b = PROTOCOL_VERSION.to_le_bytes().to_vec();
         bincode::serde::encode_into_std_write(&raw, &mut b, codec()).unwrap();
         assert_eq!(
             decode_frame(&b, &Limits::default()),
-            Err(DecodeError::Invalid(InvalidMessage::Tree(TreeError::ParentNotEarlier {
-                node: 2,
-                parent: 2
-            })))
+            Err(DecodeError::Invalid(InvalidMessage::Tree(
+                TreeError::ParentNotEarlier { node: 2, parent: 2 }
+            )))
         );
     }
 }

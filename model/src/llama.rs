@@ -1,0 +1,254 @@
+//! The transformer and its tree-masked forward pass.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{Device, Module, Tensor};
+use specinfer_kernels::{tree_attention, AttentionShape};
+use specinfer_wire::TokenTree;
+
+use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
+
+/// A projection `y = x W^T (+ b)`, quantized or not.
+pub(crate) struct Linear {
+    pub(crate) w: QMatMul,
+    pub(crate) b: Option<Vec<f32>>,
+}
+
+impl Linear {
+    /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
+    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let xt = Tensor::from_slice(x, (rows, x.len() / rows), &Device::Cpu)?;
+        let mut y = self.w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(b) = &self.b {
+            for row in y.chunks_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
+        Ok(y)
+    }
+}
+
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) q: Linear,
+    pub(crate) k: Linear,
+    pub(crate) v: Linear,
+    pub(crate) o: Linear,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
+}
+
+pub struct Llama {
+    pub(crate) cfg: ModelConfig,
+    /// `[vocab, d_model]`, dequantized once: a lookup per token is then a copy.
+    pub(crate) embed: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) final_norm: Vec<f32>,
+    pub(crate) lm_head: Linear,
+}
+
+/// One sequence's share of a batched forward: its cache and the tree to run on top of it.
+pub struct SeqTree<'a> {
+    pub cache: &'a mut KvCache,
+    pub tree: &'a TokenTree,
+}
+
+/// Logits for every node of one tree, `[nodes, vocab]`.
+#[derive(Clone, Debug)]
+pub struct Logits {
+    data: Vec<f32>,
+    vocab: usize,
+}
+
+impl Logits {
+    pub fn node(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn nodes(&self) -> usize {
+        self.data.len() / self.vocab
+    }
+}
+
+impl Llama {
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Runs every sequence's tree in ONE pass: projections and MLPs over all nodes of all trees
+    /// packed together (no padding), attention per sequence over its own cache. Afterwards each
+    /// cache holds its tree in the scratch region, ready for [`KvCache::compact`].
+    pub fn forward(&self, seqs: &mut [SeqTree<'_>]) -> Result<Vec<Logits>> {
+        let cfg = &self.cfg;
+        let (d, hd) = (cfg.d_model, cfg.head_dim);
+        let shape = AttentionShape {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: hd,
+        };
+        let q_row = cfg.n_heads * hd;
+        let kv_row = cfg.kv_row();
+
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut ancestors = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            let depths = s.tree.depths();
+            let needed = s.cache.committed() + *depths.iter().max().unwrap_or(&0) as usize + 1;
+            if needed > cfg.max_positions {
+                return Err(ModelError::ContextFull {
+                    needed,
+                    limit: cfg.max_positions,
+                });
+            }
+            for (node, &depth) in depths.iter().enumerate() {
+                let token = s.tree.token(node) as usize;
+                if token >= cfg.vocab_size {
+                    return Err(ModelError::Format {
+                        path: "<input>".into(),
+                        message: format!(
+                            "token {token} outside the vocabulary of {}",
+                            cfg.vocab_size
+                        ),
+                    });
+                }
+                tokens.push(token);
+                positions.push(s.cache.committed() + depth as usize);
+            }
+            ancestors.push(s.tree.ancestors());
+            s.cache.begin_tree(s.tree.len());
+        }
+        let rows = tokens.len();
+        let (cos, sin) = rope_tables(cfg, &positions);
+
+        let mut x = Vec::with_capacity(rows * d);
+        for &t in &tokens {
+            x.extend_from_slice(&self.embed[t * d..(t + 1) * d]);
+        }
+        let mut attn = vec![0f32; rows * q_row];
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
+            let mut q = layer.q.forward(&h, rows)?;
+            let mut k = layer.k.forward(&h, rows)?;
+            let v = layer.v.forward(&h, rows)?;
+            apply_rope(cfg.rope_style, &mut q, hd, &cos, &sin);
+            apply_rope(cfg.rope_style, &mut k, hd, &cos, &sin);
+            let mut start = 0;
+            for (s, anc) in seqs.iter_mut().zip(&ancestors) {
+                let n = s.tree.len();
+                s.cache.append(
+                    li,
+                    &k[start * kv_row..(start + n) * kv_row],
+                    &v[start * kv_row..(start + n) * kv_row],
+                );
+                let (kc, vc) = s.cache.layer(li);
+                tree_attention(
+                    shape,
+                    &q[start * q_row..(start + n) * q_row],
+                    kc,
+                    vc,
+                    s.cache.committed(),
+                    anc.words(),
+                    anc.words_per_node(),
+                    &mut attn[start * q_row..(start + n) * q_row],
+                );
+                start += n;
+            }
+            let o = layer.o.forward(&attn, rows)?;
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+            let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
+            let mut g = layer.gate.forward(&h, rows)?;
+            let u = layer.up.forward(&h, rows)?;
+            g.iter_mut()
+                .zip(&u)
+                .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            let down = layer.down.forward(&g, rows)?;
+            x.iter_mut().zip(&down).for_each(|(x, y)| *x += y);
+        }
+        let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
+        let logits = self.lm_head.forward(&h, rows)?;
+
+        let vocab = cfg.vocab_size;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut start = 0;
+        for s in seqs.iter() {
+            let n = s.tree.len();
+            out.push(Logits {
+                data: logits[start * vocab..(start + n) * vocab].to_vec(),
+                vocab,
+            });
+            start += n;
+        }
+        Ok(out)
+    }
+
+    /// Runs `tokens` as a chain on top of the cache and commits all of them: prompt prefill.
+    /// Returns the logits of the last token.
+    pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        let tree = TokenTree::chain(tokens);
+        let logits = self
+            .forward(&mut [SeqTree {
+                cache: &mut *cache,
+                tree: &tree,
+            }])?
+            .remove(0);
+        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        Ok(logits.node(tokens.len() - 1).to_vec())
+    }
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let d = w.len();
+    let mut y = vec![0f32; x.len()];
+    for (xr, yr) in x.chunks(d).zip(y.chunks_mut(d)) {
+        let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
+        let scale = (1.0 / (ms + eps as f64).sqrt()) as f32;
+        yr.iter_mut()
+            .zip(xr)
+            .zip(w)
+            .for_each(|((y, &x), &w)| *y = x * scale * w);
+    }
+    y
+}
+
+/// cos/sin of `position * theta^(-2i/head_dim)` for every row, `[rows, head_dim / 2]`.
+fn rope_tables(cfg: &ModelConfig, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
+    let half = cfg.head_dim / 2;
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
+        for i in 0..half {
+            let freq = (cfg.rope_theta as f64).powf(-((2 * i) as f64) / cfg.head_dim as f64);
+            let a = p as f64 * freq;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotates every head of every row in place. `x` is `[rows, heads, head_dim]`.
+fn apply_rope(style: RopeStyle, x: &mut [f32], hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    let rows = cos.len() / half;
+    let row_len = x.len() / rows;
+    for (r, row) in x.chunks_mut(row_len).enumerate() {
+        let (c, s) = (
+            &cos[r * half..(r + 1) * half],
+            &sin[r * half..(r + 1) * half],
+        );
+        for head in row.chunks_mut(hd) {
+            for i in 0..half {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Neox => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c[i] - x1 * s[i];
+                head[b] = x0 * s[i] + x1 * c[i];
+            }
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Tree forward == incremental decoding of every node's path, on tiny random models (llama and
+//! qwen2, f32 and quantized), for single trees and packed batches.
+
+use candle_core::quantized::GgmlDType;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use specinfer_model::{Arch, KvCache, Llama, ModelConfig, RopeStyle, SeqTree};
+use specinfer_wire::TokenTree;
+
+fn tiny(arch: Arch, rope_style: RopeStyle) -> ModelConfig {
+    ModelConfig {
+        arch,
+        vocab_size: 101,
+        d_model: 64,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        ffn_dim: 96,
+        rms_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_style,
+        max_positions: 512,
+    }
+}
+
+/// Chains, stars, deep and bushy trees of 1..=64 nodes.
+fn random_tree(rng: &mut ChaCha8Rng, vocab: u32) -> TokenTree {
+    let n = rng.random_range(1..=64usize);
+    let shape = rng.random_range(0..4);
+    let mut tree = TokenTree::root(rng.random_range(0..vocab));
+    for i in 1..n as u32 {
+        let parent = match shape {
+            0 => i - 1,                                 // chain
+            1 => 0,                                     // star
+            2 => i - 1 - rng.random_range(0..i.min(2)), // deep, occasional forks
+            _ => rng.random_range(0..i),                // bushy
+        };
+        tree.push(parent, rng.random_range(0..vocab));
+    }
+    tree
+}
+
+/// Logits of every node by decoding its path one token at a time after `prompt`: depth-first, with
+/// rollback, so each node costs one single-token forward.
+fn incremental_logits(model: &Llama, prompt: &[u32], tree: &TokenTree) -> Vec<Vec<f32>> {
+    let mut cache = KvCache::new(model.config());
+    model.prefill(&mut cache, prompt).unwrap();
+    let children = tree.children();
+    let mut out = vec![Vec::new(); tree.len()];
+    let mut stack = vec![0usize];
+    let base = cache.committed();
+    while let Some(node) = stack.pop() {
+        // Rebuild the cache to hold exactly the path above `node`.
+        let path = tree.path_to(node);
+        cache.rollback(base);
+        for &p in &path[..path.len() - 1] {
+            let t = TokenTree::root(tree.token(p as usize));
+            model
+                .forward(&mut [SeqTree {
+                    cache: &mut cache,
+                    tree: &t,
+                }])
+                .unwrap();
+            cache.compact(&[0]);
+        }
+        let t = TokenTree::root(tree.token(node));
+        let l = model
+            .forward(&mut [SeqTree {
+                cache: &mut cache,
+                tree: &t,
+            }])
+            .unwrap();
+        out[node] = l[0].node(0).to_vec();
+        stack.extend(children[node].iter().map(|&c| c as usize));
+    }
+    out
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Logits are O(1..10) here; float reassociation between a 1-row and an n-row matmul moves them by
+/// ~1e-6 relative; 1e-3 absolute is far below any change a wrong mask or position would cause
+/// (those move logits by O(1)).
+const TOL: f32 = 1e-3;
+
+fn check_model(model: &Llama, seed: u64, trees: usize) -> f32 {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let vocab = model.config().vocab_size as u32;
+    let mut worst = 0f32;
+    for _ in 0..trees {
+        let prompt: Vec<u32> = (0..rng.random_range(1..20))
+            .map(|_| rng.random_range(0..vocab))
+            .collect();
+        let tree = random_tree(&mut rng, vocab);
+        let mut cache = KvCache::new(model.config());
+        model.prefill(&mut cache, &prompt).unwrap();
+        let got = model
+            .forward(&mut [SeqTree {
+                cache: &mut cache,
+                tree: &tree,
+            }])
+            .unwrap()
+            .remove(0);
+        let want = incremental_logits(model, &prompt, &tree);
+        for (i, w) in want.iter().enumerate() {
+            let d = max_diff(got.node(i), w);
+            assert!(d < TOL, "node {i} of {tree:?}: max abs diff {d}");
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+#[test]
+fn tree_logits_equal_incremental_logits_llama_f32() {
+    let m = Llama::random(tiny(Arch::Llama, RopeStyle::Interleaved), 1, None).unwrap();
+    let worst = check_model(&m, 10, 24);
+    println!("llama f32: max abs diff {worst:e}");
+}
+
+#[test]
+fn tree_logits_equal_incremental_logits_qwen2_quantized() {
+    for dtype in [
+        GgmlDType::Q8_0,
+        GgmlDType::Q4_1,
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+    ] {
+        let m = Llama::random(tiny(Arch::Qwen2, RopeStyle::Neox), 2, Some(dtype)).unwrap();
+        let worst = check_model(&m, 11, 8);
+        println!("qwen2 {dtype:?}: max abs diff {worst:e}");
+    }
+}
+
+#[test]
+fn a_packed_batch_equals_each_sequence_alone() {
+    let m = Llama::random(
+        tiny(Arch::Llama, RopeStyle::Interleaved),
+        3,
+        Some(GgmlDType::Q8_0),
+    )
+    .unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let vocab = m.config().vocab_size as u32;
+    let seqs: Vec<(Vec<u32>, TokenTree)> = (0..5)
+        .map(|_| {
+            let prompt = (0..rng.random_range(1..30))
+                .map(|_| rng.random_range(0..vocab))
+                .collect();
+            (prompt, random_tree(&mut rng, vocab))
+        })
+        .collect();
+    let mut caches: Vec<KvCache> = seqs
+        .iter()
+        .map(|(p, _)| {
+            let mut c = KvCache::new(m.config());
+            m.prefill(&mut c, p).unwrap();
+            c
+        })
+        .collect();
+    let mut batch: Vec<SeqTree> = caches
+        .iter_mut()
+        .zip(&seqs)
+        .map(|(cache, (_, tree))| SeqTree { cache, tree })
+        .collect();
+    let batched = m.forward(&mut batch).unwrap();
+    let mut worst = 0f32;
+    for ((prompt, tree), got) in seqs.iter().zip(&batched) {
+        let mut c = KvCache::new(m.config());
+        m.prefill(&mut c, prompt).unwrap();
+        let alone = m
+            .forward(&mut [SeqTree {
+                cache: &mut c,
+                tree,
+            }])
+            .unwrap()
+            .remove(0);
+        for i in 0..tree.len() {
+            let d = max_diff(got.node(i), alone.node(i));
+            assert!(d < TOL, "node {i}: {d}");
+            worst = worst.max(d);
+        }
+    }
+    println!("batch of 5 vs alone: max abs diff {worst:e}");
+}
+
+#[test]
+fn compaction_keeps_the_accepted_path_without_recompute() {
+    let m = Llama::random(tiny(Arch::Llama, RopeStyle::Interleaved), 4, None).unwrap();
+    let prompt = [5u32, 17, 42, 8];
+    // Tree: 0 -> {1, 2}; 1 -> 3; 2 -> 4 -> 5.
+    let tree = TokenTree::new(vec![9, 11, 12, 13, 14, 15], vec![0, 0, 1, 2, 4]).unwrap();
+    let mut c = KvCache::new(m.config());
+    m.prefill(&mut c, &prompt).unwrap();
+    m.forward(&mut [SeqTree {
+        cache: &mut c,
+        tree: &tree,
+    }])
+    .unwrap();
+    assert_eq!(c.scratch(), 6);
+    c.compact(&[0, 2, 4]);
+    assert_eq!(c.committed(), prompt.len() + 3);
+    // The next token after the compacted path must see exactly prompt + [9, 12, 14].
+    let next = TokenTree::root(99);
+    let got = m
+        .forward(&mut [SeqTree {
+            cache: &mut c,
+            tree: &next,
+        }])
+        .unwrap()
+        .remove(0);
+    let mut fresh = KvCache::new(m.config());
+    m.prefill(&mut fresh, &[5, 17, 42, 8, 9, 12, 14]).unwrap();
+    let want = m
+        .forward(&mut [SeqTree {
+            cache: &mut fresh,
+            tree: &next,
+        }])
+        .unwrap()
+        .remove(0);
+    let d = max_diff(got.node(0), want.node(0));
+    assert!(d < TOL, "after compaction: {d}");
+    // And a wrong path gives different logits (the test can fail).
+    let mut wrong = KvCache::new(m.config());
+    m.prefill(&mut wrong, &[5, 17, 42, 8, 9, 11, 13]).unwrap();
+    let other = m
+        .forward(&mut [SeqTree {
+            cache: &mut wrong,
+            tree: &next,
+        }])
+        .unwrap()
+        .remove(0);
+    assert!(max_diff(other.node(0), want.node(0)) > 100.0 * TOL);
+}
