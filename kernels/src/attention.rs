@@ -15,8 +15,11 @@ pub struct AttentionShape {
 /// * `q`: `[n, n_heads, head_dim]`, already rotated.
 /// * `k`, `v`: the sequence's cache, position-major `[past + n, n_kv_heads, head_dim]`: `past`
 ///   committed positions followed by the new nodes in tree order.
-/// * `ancestors`: `words_per_node` u64 words per new node; bit `j` of node `i` says node `i` sees
-///   new node `j` (its ancestors and itself).
+/// * `first`: tree index of the first query node. Tree nodes `0..first` are already in the cache
+///   behind the committed positions (drafting extends a tree level by level); queries are tree
+///   nodes `first..first + n`.
+/// * `ancestors`: `words_per_node` u64 words per query node; bit `j` says the node sees tree node
+///   `j` (its ancestors and itself).
 /// * `out`: `[n, n_heads, head_dim]`.
 ///
 /// Every node visits its visible positions in the same order (prefix, then ancestors by index,
@@ -30,6 +33,7 @@ pub fn tree_attention(
     k: &[f32],
     v: &[f32],
     past: usize,
+    first: usize,
     ancestors: &[u64],
     words_per_node: usize,
     out: &mut [f32],
@@ -64,7 +68,7 @@ pub fn tree_attention(
     for i in 0..n {
         let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
         let visible = (0..past).chain(
-            (0..=i)
+            (0..=first + i)
                 .filter(|&j| bits[j / 64] >> (j % 64) & 1 == 1)
                 .map(|j| past + j),
         );
@@ -202,7 +206,7 @@ mod tests {
             let k = r((past + n) * 2 * 12);
             let v = r((past + n) * 2 * 12);
             let mut out = vec![0f32; q.len()];
-            tree_attention(shape, &q, &k, &v, past, &bits, wpn, &mut out);
+            tree_attention(shape, &q, &k, &v, past, 0, &bits, wpn, &mut out);
             let want = reference(shape, &q, &k, &v, past, &sees);
             let err = out
                 .iter()

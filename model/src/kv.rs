@@ -76,10 +76,11 @@ impl KvCache {
         }
     }
 
-    /// Drops the scratch region and makes room for `n` new nodes.
-    pub(crate) fn begin_tree(&mut self, n: usize) {
-        self.rollback(self.committed);
+    /// Keeps the first `keep` scratch nodes, drops the rest, and makes room for `n` new nodes.
+    pub(crate) fn begin_tree(&mut self, keep: usize, n: usize) {
+        self.scratch = keep;
         for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
+            layer.truncate((self.committed + keep) * self.kv_row);
             layer.reserve(n * self.kv_row);
         }
     }

@@ -52,9 +52,22 @@ pub struct Llama {
 pub struct SeqTree<'a> {
     pub cache: &'a mut KvCache,
     pub tree: &'a TokenTree,
+    /// Nodes `0..first` are already in the cache's scratch region from an earlier forward of
+    /// this (growing) tree; only `first..` are computed. 0 for a fresh tree.
+    pub first: usize,
 }
 
-/// Logits for every node of one tree, `[nodes, vocab]`.
+impl<'a> SeqTree<'a> {
+    pub fn new(cache: &'a mut KvCache, tree: &'a TokenTree) -> Self {
+        SeqTree {
+            cache,
+            tree,
+            first: 0,
+        }
+    }
+}
+
+/// Logits for every computed node of one tree (`first..`), `[nodes, vocab]`.
 #[derive(Clone, Debug)]
 pub struct Logits {
     data: Vec<f32>,
@@ -102,7 +115,11 @@ impl Llama {
                     limit: cfg.max_positions,
                 });
             }
-            for (node, &depth) in depths.iter().enumerate() {
+            assert!(
+                s.first <= s.cache.scratch() && s.first < s.tree.len(),
+                "first must be the first node not yet in the cache"
+            );
+            for (node, &depth) in depths.iter().enumerate().skip(s.first) {
                 let token = s.tree.token(node) as usize;
                 if token >= cfg.vocab_size {
                     return Err(ModelError::Format {
@@ -117,7 +134,7 @@ impl Llama {
                 positions.push(s.cache.committed() + depth as usize);
             }
             ancestors.push(s.tree.ancestors());
-            s.cache.begin_tree(s.tree.len());
+            s.cache.begin_tree(s.first, s.tree.len() - s.first);
         }
         let rows = tokens.len();
         let (cos, sin) = rope_tables(cfg, &positions);
@@ -136,7 +153,8 @@ impl Llama {
             apply_rope(cfg.rope_style, &mut k, hd, &cos, &sin);
             let mut start = 0;
             for (s, anc) in seqs.iter_mut().zip(&ancestors) {
-                let n = s.tree.len();
+                let n = s.tree.len() - s.first;
+                let wpn = anc.words_per_node();
                 s.cache.append(
                     li,
                     &k[start * kv_row..(start + n) * kv_row],
@@ -149,8 +167,9 @@ impl Llama {
                     kc,
                     vc,
                     s.cache.committed(),
-                    anc.words(),
-                    anc.words_per_node(),
+                    s.first,
+                    &anc.words()[s.first * wpn..],
+                    wpn,
                     &mut attn[start * q_row..(start + n) * q_row],
                 );
                 start += n;
@@ -174,7 +193,7 @@ impl Llama {
         let mut out = Vec::with_capacity(seqs.len());
         let mut start = 0;
         for s in seqs.iter() {
-            let n = s.tree.len();
+            let n = s.tree.len() - s.first;
             out.push(Logits {
                 data: logits[start * vocab..(start + n) * vocab].to_vec(),
                 vocab,
@@ -188,12 +207,7 @@ impl Llama {
     /// Returns the logits of the last token.
     pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
         let tree = TokenTree::chain(tokens);
-        let logits = self
-            .forward(&mut [SeqTree {
-                cache: &mut *cache,
-                tree: &tree,
-            }])?
-            .remove(0);
+        let logits = self.forward(&mut [SeqTree::new(cache, &tree)])?.remove(0);
         cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
         Ok(logits.node(tokens.len() - 1).to_vec())
     }

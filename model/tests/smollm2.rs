@@ -87,10 +87,7 @@ fn tree_forward_equals_incremental_decoding_on_smollm2() {
             .unwrap();
         let base = cache.committed();
         let logits = model
-            .forward(&mut [SeqTree {
-                cache: &mut cache,
-                tree: &tree,
-            }])
+            .forward(&mut [SeqTree::new(&mut cache, &tree)])
             .unwrap()
             .remove(0);
         // Check a sample of nodes (all of them for the small trees) against their paths.
@@ -111,10 +108,7 @@ fn tree_forward_equals_incremental_decoding_on_smollm2() {
             }
             let last = TokenTree::root(*path.last().unwrap());
             let want = model
-                .forward(&mut [SeqTree {
-                    cache: &mut cache,
-                    tree: &last,
-                }])
+                .forward(&mut [SeqTree::new(&mut cache, &last)])
                 .unwrap()
                 .remove(0);
             let d = logits

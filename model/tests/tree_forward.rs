@@ -56,21 +56,11 @@ fn incremental_logits(model: &Llama, prompt: &[u32], tree: &TokenTree) -> Vec<Ve
         cache.rollback(base);
         for &p in &path[..path.len() - 1] {
             let t = TokenTree::root(tree.token(p as usize));
-            model
-                .forward(&mut [SeqTree {
-                    cache: &mut cache,
-                    tree: &t,
-                }])
-                .unwrap();
+            model.forward(&mut [SeqTree::new(&mut cache, &t)]).unwrap();
             cache.compact(&[0]);
         }
         let t = TokenTree::root(tree.token(node));
-        let l = model
-            .forward(&mut [SeqTree {
-                cache: &mut cache,
-                tree: &t,
-            }])
-            .unwrap();
+        let l = model.forward(&mut [SeqTree::new(&mut cache, &t)]).unwrap();
         out[node] = l[0].node(0).to_vec();
         stack.extend(children[node].iter().map(|&c| c as usize));
     }
@@ -101,10 +91,7 @@ fn check_model(model: &Llama, seed: u64, trees: usize) -> f32 {
         let mut cache = KvCache::new(model.config());
         model.prefill(&mut cache, &prompt).unwrap();
         let got = model
-            .forward(&mut [SeqTree {
-                cache: &mut cache,
-                tree: &tree,
-            }])
+            .forward(&mut [SeqTree::new(&mut cache, &tree)])
             .unwrap()
             .remove(0);
         let want = incremental_logits(model, &prompt, &tree);
@@ -167,7 +154,7 @@ fn a_packed_batch_equals_each_sequence_alone() {
     let mut batch: Vec<SeqTree> = caches
         .iter_mut()
         .zip(&seqs)
-        .map(|(cache, (_, tree))| SeqTree { cache, tree })
+        .map(|(cache, (_, tree))| SeqTree::new(cache, tree))
         .collect();
     let batched = m.forward(&mut batch).unwrap();
     let mut worst = 0f32;
@@ -175,10 +162,7 @@ fn a_packed_batch_equals_each_sequence_alone() {
         let mut c = KvCache::new(m.config());
         m.prefill(&mut c, prompt).unwrap();
         let alone = m
-            .forward(&mut [SeqTree {
-                cache: &mut c,
-                tree,
-            }])
+            .forward(&mut [SeqTree::new(&mut c, tree)])
             .unwrap()
             .remove(0);
         for i in 0..tree.len() {
@@ -198,30 +182,20 @@ fn compaction_keeps_the_accepted_path_without_recompute() {
     let tree = TokenTree::new(vec![9, 11, 12, 13, 14, 15], vec![0, 0, 1, 2, 4]).unwrap();
     let mut c = KvCache::new(m.config());
     m.prefill(&mut c, &prompt).unwrap();
-    m.forward(&mut [SeqTree {
-        cache: &mut c,
-        tree: &tree,
-    }])
-    .unwrap();
+    m.forward(&mut [SeqTree::new(&mut c, &tree)]).unwrap();
     assert_eq!(c.scratch(), 6);
     c.compact(&[0, 2, 4]);
     assert_eq!(c.committed(), prompt.len() + 3);
     // The next token after the compacted path must see exactly prompt + [9, 12, 14].
     let next = TokenTree::root(99);
     let got = m
-        .forward(&mut [SeqTree {
-            cache: &mut c,
-            tree: &next,
-        }])
+        .forward(&mut [SeqTree::new(&mut c, &next)])
         .unwrap()
         .remove(0);
     let mut fresh = KvCache::new(m.config());
     m.prefill(&mut fresh, &[5, 17, 42, 8, 9, 12, 14]).unwrap();
     let want = m
-        .forward(&mut [SeqTree {
-            cache: &mut fresh,
-            tree: &next,
-        }])
+        .forward(&mut [SeqTree::new(&mut fresh, &next)])
         .unwrap()
         .remove(0);
     let d = max_diff(got.node(0), want.node(0));
@@ -230,11 +204,58 @@ fn compaction_keeps_the_accepted_path_without_recompute() {
     let mut wrong = KvCache::new(m.config());
     m.prefill(&mut wrong, &[5, 17, 42, 8, 9, 11, 13]).unwrap();
     let other = m
-        .forward(&mut [SeqTree {
-            cache: &mut wrong,
-            tree: &next,
-        }])
+        .forward(&mut [SeqTree::new(&mut wrong, &next)])
         .unwrap()
         .remove(0);
     assert!(max_diff(other.node(0), want.node(0)) > 100.0 * TOL);
+}
+
+#[test]
+fn extending_a_tree_level_by_level_equals_one_forward() {
+    let m = Llama::random(tiny(Arch::Qwen2, RopeStyle::Neox), 5, Some(GgmlDType::Q8_0)).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let prompt = [3u32, 1, 4, 1, 5];
+    let mut whole = KvCache::new(m.config());
+    let mut grown = KvCache::new(m.config());
+    m.prefill(&mut whole, &prompt).unwrap();
+    m.prefill(&mut grown, &prompt).unwrap();
+    let mut tree = TokenTree::root(9);
+    let mut logits = m
+        .forward(&mut [SeqTree::new(&mut grown, &tree)])
+        .unwrap()
+        .remove(0)
+        .node(0)
+        .to_vec();
+    let mut all = vec![logits.clone()];
+    for _ in 0..4 {
+        let first = tree.len();
+        for _ in 0..rng.random_range(1..4) {
+            let parent = rng.random_range(0..first) as u32;
+            tree.push(parent, rng.random_range(0..101));
+        }
+        let out = m
+            .forward(&mut [SeqTree {
+                cache: &mut grown,
+                tree: &tree,
+                first,
+            }])
+            .unwrap()
+            .remove(0);
+        for i in 0..out.nodes() {
+            all.push(out.node(i).to_vec());
+        }
+        logits = out.node(0).to_vec();
+    }
+    assert!(!logits.is_empty());
+    let once = m
+        .forward(&mut [SeqTree::new(&mut whole, &tree)])
+        .unwrap()
+        .remove(0);
+    for (i, l) in all.iter().enumerate() {
+        assert_eq!(
+            once.node(i),
+            &l[..],
+            "node {i} differs between grown and one-shot forward"
+        );
+    }
 }
