@@ -1,0 +1,229 @@
+//! A verifier session, sans-I/O: the committed tokens, their KV cache, the sampling parameters and
+//! the session's own RNG. The QUIC service and the in-process (embedded) verifier both drive it.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use specinfer_kernels::sampling::distribution;
+use specinfer_model::{KvCache, Llama, ModelError, SeqTree};
+use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, TreeError, VerifyMode};
+
+use crate::verify::{verify_greedy, verify_naive_sampling, verify_stochastic, Verdict};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(
+        "the tree's root is token {got}, but the session's last committed token is {expected}"
+    )]
+    WrongRoot { got: u32, expected: u32 },
+    #[error("invalid tree: {0}")]
+    Tree(#[from] TreeError),
+    #[error("stochastic verification needs the draft's proposal distributions in the tree")]
+    MissingProposals,
+    #[error("the session has finished ({0:?})")]
+    Finished(FinishReason),
+    #[error("model: {0}")]
+    Model(#[from] ModelError),
+}
+
+/// What one verification round produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundOutcome {
+    /// Accepted tree nodes (without the root), root-to-leaf.
+    pub accepted_nodes: Vec<u32>,
+    /// Tokens appended to the sequence this round: the accepted drafts and the LLM's own token,
+    /// cut at a stop token or the length limit.
+    pub tokens: Vec<u32>,
+    pub finish: Option<FinishReason>,
+    pub accepted_at_depth: Vec<u32>,
+    pub rejected_at_depth: Vec<u32>,
+}
+
+pub struct Session {
+    params: SamplingParams,
+    cache: KvCache,
+    /// Prompt and everything generated; the last token is the next tree's root and has no K/V yet.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    rng: ChaCha8Rng,
+    finish: Option<FinishReason>,
+}
+
+impl Session {
+    /// Prefills all prompt tokens but the last, which becomes the first round's root.
+    pub fn open(
+        model: &Llama,
+        prompt: &[u32],
+        params: SamplingParams,
+        limits: &Limits,
+    ) -> Result<Self, SessionError> {
+        TokenTree::chain(prompt).validate(
+            model.config().vocab_size as u32,
+            &Limits {
+                max_tree_nodes: limits.max_prompt_tokens,
+                ..*limits
+            },
+        )?;
+        let mut cache = KvCache::new(model.config());
+        if prompt.len() > 1 {
+            model.prefill(&mut cache, &prompt[..prompt.len() - 1])?;
+        }
+        let rng = ChaCha8Rng::seed_from_u64(params.seed);
+        Ok(Session {
+            params,
+            cache,
+            tokens: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            rng,
+            finish: None,
+        })
+    }
+
+    /// The token the next tree must have as its root.
+    pub fn root(&self) -> u32 {
+        *self.tokens.last().expect("a session always has a token")
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    pub fn finish(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    fn check(&self, tree: &TokenTree, vocab: u32, limits: &Limits) -> Result<(), SessionError> {
+        if let Some(f) = self.finish {
+            return Err(SessionError::Finished(f));
+        }
+        tree.validate(vocab, limits)?;
+        if tree.token(0) != self.root() {
+            return Err(SessionError::WrongRoot {
+                got: tree.token(0),
+                expected: self.root(),
+            });
+        }
+        if self.params.mode == VerifyMode::Stochastic
+            && tree.len() > 1
+            && tree.proposals().is_none()
+        {
+            return Err(SessionError::MissingProposals);
+        }
+        Ok(())
+    }
+
+    /// Applies a verdict: commits the accepted path's K/V, appends the tokens, applies stop and
+    /// length limits.
+    fn commit(&mut self, tree: &TokenTree, verdict: Verdict) -> RoundOutcome {
+        let mut tokens = verdict.tokens(tree);
+        let mut finish = None;
+        if let Some(i) = tokens.iter().position(|t| self.params.stop_ids.contains(t)) {
+            tokens.truncate(i + 1);
+            finish = Some(FinishReason::Stop);
+        }
+        let room = self.params.max_new_tokens as usize - self.generated().len();
+        if tokens.len() >= room {
+            tokens.truncate(room);
+            finish = finish.or(Some(FinishReason::Length));
+        }
+        let mut path = vec![0u32];
+        path.extend(&verdict.accepted);
+        self.cache.compact(&path);
+        self.tokens.extend(&tokens);
+        self.finish = finish;
+        RoundOutcome {
+            accepted_nodes: verdict.accepted,
+            tokens,
+            finish,
+            accepted_at_depth: verdict.accepted_at_depth,
+            rejected_at_depth: verdict.rejected_at_depth,
+        }
+    }
+
+    fn decide(&mut self, tree: &TokenTree, logits: &specinfer_model::Logits) -> Verdict {
+        let p = &self.params;
+        let dist =
+            |n: usize| distribution(logits.node(n), p.temperature, p.top_k as usize, p.top_p);
+        match p.mode {
+            VerifyMode::Greedy => verify_greedy(tree, |n| logits.node(n)),
+            VerifyMode::Stochastic => verify_stochastic(tree, dist, &mut self.rng),
+            VerifyMode::Naive => verify_naive_sampling(tree, dist, &mut self.rng),
+        }
+    }
+}
+
+/// Verifies several sessions' trees in ONE batched forward. A session whose tree is refused gets
+/// its error; the others go on.
+pub fn verify_batch(
+    model: &Llama,
+    limits: &Limits,
+    work: &mut [(&mut Session, &TokenTree)],
+) -> Vec<Result<RoundOutcome, SessionError>> {
+    let vocab = model.config().vocab_size as u32;
+    let mut results: Vec<Option<Result<RoundOutcome, SessionError>>> = work
+        .iter()
+        .map(|(s, tree)| s.check(tree, vocab, limits).err().map(Err))
+        .collect();
+    let runnable: Vec<bool> = results.iter().map(Option::is_none).collect();
+    if runnable.iter().any(|&r| r) {
+        let mut batch: Vec<SeqTree> = work
+            .iter_mut()
+            .zip(&runnable)
+            .filter(|(_, &r)| r)
+            .map(|((s, tree), _)| SeqTree::new(&mut s.cache, tree))
+            .collect();
+        let forward = model.forward(&mut batch);
+        drop(batch);
+        let chosen = work
+            .iter_mut()
+            .zip(results.iter_mut())
+            .zip(&runnable)
+            .filter(|(_, &r)| r)
+            .map(|(x, _)| x);
+        match forward {
+            Ok(logits) => {
+                for (((s, tree), result), l) in chosen.zip(&logits) {
+                    let verdict = s.decide(tree, l);
+                    *result = Some(Ok(s.commit(tree, verdict)));
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for (_, result) in chosen {
+                    let e = ModelError::Format {
+                        path: "<batch>".into(),
+                        message: message.clone(),
+                    };
+                    *result = Some(Err(SessionError::Model(e)));
+                }
+            }
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.expect("every entry decided"))
+        .collect()
+}
+
+impl Session {
+    /// One round for this session alone.
+    pub fn verify(
+        &mut self,
+        model: &Llama,
+        limits: &Limits,
+        tree: &TokenTree,
+    ) -> Result<RoundOutcome, SessionError> {
+        verify_batch(model, limits, &mut [(self, tree)]).remove(0)
+    }
+}
