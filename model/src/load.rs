@@ -194,21 +194,7 @@ impl Llama {
             }
         };
         let bias = arch == Arch::Qwen2;
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
-            let p = format!("blk.{i}");
-            layers.push(Layer {
-                attn_norm: g.vector(&format!("{p}.attn_norm.weight"))?,
-                q: g.linear(&format!("{p}.attn_q"), bias)?,
-                k: g.linear(&format!("{p}.attn_k"), bias)?,
-                v: g.linear(&format!("{p}.attn_v"), bias)?,
-                o: g.linear(&format!("{p}.attn_output"), false)?,
-                ffn_norm: g.vector(&format!("{p}.ffn_norm.weight"))?,
-                gate: g.linear(&format!("{p}.ffn_gate"), false)?,
-                up: g.linear(&format!("{p}.ffn_up"), false)?,
-                down: g.linear(&format!("{p}.ffn_down"), false)?,
-            });
-        }
+        let layers = load_layers(g, &GGUF_LAYER, cfg.n_layers, bias)?;
         let final_norm = g.vector("output_norm.weight")?;
         tracing::info!(path = %g.path.display(), ?cfg, "loaded GGUF model");
         Ok(Llama {
@@ -285,21 +271,7 @@ impl Llama {
         } else {
             w.linear("lm_head", false)?
         };
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
-            let p = format!("model.layers.{i}");
-            layers.push(Layer {
-                attn_norm: w.vector(&format!("{p}.input_layernorm.weight"))?,
-                q: w.linear(&format!("{p}.self_attn.q_proj"), bias)?,
-                k: w.linear(&format!("{p}.self_attn.k_proj"), bias)?,
-                v: w.linear(&format!("{p}.self_attn.v_proj"), bias)?,
-                o: w.linear(&format!("{p}.self_attn.o_proj"), false)?,
-                ffn_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"))?,
-                gate: w.linear(&format!("{p}.mlp.gate_proj"), false)?,
-                up: w.linear(&format!("{p}.mlp.up_proj"), false)?,
-                down: w.linear(&format!("{p}.mlp.down_proj"), false)?,
-            });
-        }
+        let layers = load_layers(w, &HF_LAYER, cfg.n_layers, bias)?;
         let final_norm = w.vector("model.norm.weight")?;
         Ok(Llama {
             cfg,
@@ -383,6 +355,96 @@ impl Llama {
         }
         tensors
     }
+}
+
+/// Where a layer's tensors come from; GGUF and Hugging Face checkpoints differ only in names.
+trait WeightSource {
+    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear>;
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
+}
+
+impl WeightSource for Gguf {
+    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
+        Gguf::linear(self, name, bias)
+    }
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        Gguf::vector(self, name)
+    }
+}
+
+impl WeightSource for Weights {
+    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
+        Weights::linear(self, name, bias)
+    }
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        Weights::vector(self, name)
+    }
+}
+
+/// Tensor names of one layer in a checkpoint format: `prefix` + layer index + `.` + name.
+/// Norms are vectors (`.weight` included); projections are linears (`.weight`/`.bias` added).
+struct LayerNames {
+    prefix: &'static str,
+    attn_norm: &'static str,
+    q: &'static str,
+    k: &'static str,
+    v: &'static str,
+    o: &'static str,
+    ffn_norm: &'static str,
+    gate: &'static str,
+    up: &'static str,
+    down: &'static str,
+}
+
+const GGUF_LAYER: LayerNames = LayerNames {
+    prefix: "blk.",
+    attn_norm: "attn_norm.weight",
+    q: "attn_q",
+    k: "attn_k",
+    v: "attn_v",
+    o: "attn_output",
+    ffn_norm: "ffn_norm.weight",
+    gate: "ffn_gate",
+    up: "ffn_up",
+    down: "ffn_down",
+};
+
+const HF_LAYER: LayerNames = LayerNames {
+    prefix: "model.layers.",
+    attn_norm: "input_layernorm.weight",
+    q: "self_attn.q_proj",
+    k: "self_attn.k_proj",
+    v: "self_attn.v_proj",
+    o: "self_attn.o_proj",
+    ffn_norm: "post_attention_layernorm.weight",
+    gate: "mlp.gate_proj",
+    up: "mlp.up_proj",
+    down: "mlp.down_proj",
+};
+
+/// `bias`: q/k/v carry biases (qwen2).
+fn load_layers(
+    src: &mut impl WeightSource,
+    names: &LayerNames,
+    n_layers: usize,
+    bias: bool,
+) -> Result<Vec<Layer>> {
+    (0..n_layers)
+        .map(|i| {
+            let name = |n: &str| format!("{}{i}.{n}", names.prefix);
+            Ok(Layer {
+                attn_norm: src.vector(&name(names.attn_norm))?,
+                q: src.linear(&name(names.q), bias)?,
+                k: src.linear(&name(names.k), bias)?,
+                v: src.linear(&name(names.v), bias)?,
+                o: src.linear(&name(names.o), false)?,
+                ffn_norm: src.vector(&name(names.ffn_norm))?,
+                gate: src.linear(&name(names.gate), false)?,
+                up: src.linear(&name(names.up), false)?,
+                down: src.linear(&name(names.down), false)?,
+            })
+        })
+        .collect()
 }
 
 struct Weights {
