@@ -31,6 +31,28 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// A tiny shape for tests with [`crate::Llama::random`] weights: two layers, GQA (4 heads over
+    /// 2 KV heads), an odd vocabulary, and the RoPE pairing GGUF files of `arch` use.
+    pub fn tiny(arch: Arch) -> Self {
+        ModelConfig {
+            arch,
+            vocab_size: 101,
+            d_model: 64,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            ffn_dim: 96,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_style: match arch {
+                Arch::Llama => RopeStyle::Interleaved,
+                Arch::Qwen2 => RopeStyle::Neox,
+            },
+            max_positions: 512,
+        }
+    }
+
     /// Floats of K (or of V) stored per position in one layer.
     pub fn kv_row(&self) -> usize {
         self.n_kv_heads * self.head_dim

@@ -114,24 +114,6 @@ impl Gguf {
         }
         Ok(self.content.tensor(&mut self.reader, name, &Device::Cpu)?)
     }
-
-    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
-        let w = QMatMul::from_qtensor(self.qtensor(&format!("{name}.weight"))?)?;
-        let b = if bias {
-            Some(self.vector(&format!("{name}.bias"))?)
-        } else {
-            None
-        };
-        Ok(Linear { w, b })
-    }
-
-    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
-        Ok(self
-            .qtensor(name)?
-            .dequantize(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1()?)
-    }
 }
 
 impl Llama {
@@ -359,25 +341,47 @@ impl Llama {
 
 /// Where a layer's tensors come from; GGUF and Hugging Face checkpoints differ only in names.
 trait WeightSource {
-    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear>;
+    /// A weight matrix `[out, in]`, quantized or not.
+    fn matrix(&mut self, name: &str) -> Result<QMatMul>;
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
+
+    /// `name.weight`, plus `name.bias` when `bias`.
+    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
+        let w = self.matrix(&format!("{name}.weight"))?;
+        let b = if bias {
+            Some(self.vector(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b })
+    }
 }
 
 impl WeightSource for Gguf {
-    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
-        Gguf::linear(self, name, bias)
+    fn matrix(&mut self, name: &str) -> Result<QMatMul> {
+        Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
     }
+
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
-        Gguf::vector(self, name)
+        Ok(self
+            .qtensor(name)?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
     }
 }
 
 impl WeightSource for Weights {
-    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
-        Weights::linear(self, name, bias)
+    fn matrix(&mut self, name: &str) -> Result<QMatMul> {
+        let t = self.take(name)?;
+        Ok(match self.quantize {
+            Some(dtype) => QMatMul::from_qtensor(QTensor::quantize(&t, dtype)?)?,
+            None => QMatMul::Tensor(t),
+        })
     }
+
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
-        Weights::vector(self, name)
+        Ok(self.take(name)?.flatten_all()?.to_vec1()?)
     }
 }
 
@@ -463,24 +467,6 @@ impl Weights {
                 what: format!("tensor {name}"),
             })?;
         Ok(t.to_dtype(DType::F32)?)
-    }
-
-    fn linear(&mut self, name: &str, bias: bool) -> Result<Linear> {
-        let t = self.take(&format!("{name}.weight"))?;
-        let w = match self.quantize {
-            Some(dtype) => QMatMul::from_qtensor(QTensor::quantize(&t, dtype)?)?,
-            None => QMatMul::Tensor(t),
-        };
-        let b = if bias {
-            Some(self.vector(&format!("{name}.bias"))?)
-        } else {
-            None
-        };
-        Ok(Linear { w, b })
-    }
-
-    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
-        Ok(self.take(name)?.flatten_all()?.to_vec1()?)
     }
 }
 

@@ -2,24 +2,11 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Tensor};
-use specinfer_model::{Arch, KvCache, Llama, ModelConfig, ModelError, RopeStyle, SeqTree};
+use specinfer_model::{Arch, KvCache, Llama, ModelConfig, ModelError, SeqTree};
 use specinfer_wire::TokenTree;
 
 fn cfg() -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Qwen2,
-        vocab_size: 101,
-        d_model: 64,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 16,
-        ffn_dim: 96,
-        rms_eps: 1e-6,
-        rope_theta: 10_000.0,
-        rope_style: RopeStyle::Neox,
-        max_positions: 256,
-    }
+    ModelConfig::tiny(Arch::Qwen2)
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
@@ -52,7 +39,7 @@ fn safetensors_bf16_checkpoint_loads_and_matches() {
         dir.join("config.json"),
         r#"{"model_type": "qwen2", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 512,
             "tie_word_embeddings": false}"#,
     )
     .unwrap();

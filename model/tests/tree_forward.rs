@@ -4,25 +4,8 @@
 use candle_core::quantized::GgmlDType;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_model::{Arch, KvCache, Llama, ModelConfig, RopeStyle, SeqTree};
+use specinfer_model::{Arch, KvCache, Llama, ModelConfig, SeqTree};
 use specinfer_wire::TokenTree;
-
-fn tiny(arch: Arch, rope_style: RopeStyle) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab_size: 101,
-        d_model: 64,
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 16,
-        ffn_dim: 96,
-        rms_eps: 1e-5,
-        rope_theta: 10_000.0,
-        rope_style,
-        max_positions: 512,
-    }
-}
 
 /// Chains, stars, deep and bushy trees of 1..=64 nodes.
 fn random_tree(rng: &mut ChaCha8Rng, vocab: u32) -> TokenTree {
@@ -106,7 +89,7 @@ fn check_model(model: &Llama, seed: u64, trees: usize) -> f32 {
 
 #[test]
 fn tree_logits_equal_incremental_logits_llama_f32() {
-    let m = Llama::random(tiny(Arch::Llama, RopeStyle::Interleaved), 1, None).unwrap();
+    let m = Llama::random(ModelConfig::tiny(Arch::Llama), 1, None).unwrap();
     let worst = check_model(&m, 10, 24);
     println!("llama f32: max abs diff {worst:e}");
 }
@@ -119,7 +102,7 @@ fn tree_logits_equal_incremental_logits_qwen2_quantized() {
         GgmlDType::Q4_0,
         GgmlDType::Q5_0,
     ] {
-        let m = Llama::random(tiny(Arch::Qwen2, RopeStyle::Neox), 2, Some(dtype)).unwrap();
+        let m = Llama::random(ModelConfig::tiny(Arch::Qwen2), 2, Some(dtype)).unwrap();
         let worst = check_model(&m, 11, 8);
         println!("qwen2 {dtype:?}: max abs diff {worst:e}");
     }
@@ -127,12 +110,7 @@ fn tree_logits_equal_incremental_logits_qwen2_quantized() {
 
 #[test]
 fn a_packed_batch_equals_each_sequence_alone() {
-    let m = Llama::random(
-        tiny(Arch::Llama, RopeStyle::Interleaved),
-        3,
-        Some(GgmlDType::Q8_0),
-    )
-    .unwrap();
+    let m = Llama::random(ModelConfig::tiny(Arch::Llama), 3, Some(GgmlDType::Q8_0)).unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(12);
     let vocab = m.config().vocab_size as u32;
     let seqs: Vec<(Vec<u32>, TokenTree)> = (0..5)
@@ -176,7 +154,7 @@ fn a_packed_batch_equals_each_sequence_alone() {
 
 #[test]
 fn compaction_keeps_the_accepted_path_without_recompute() {
-    let m = Llama::random(tiny(Arch::Llama, RopeStyle::Interleaved), 4, None).unwrap();
+    let m = Llama::random(ModelConfig::tiny(Arch::Llama), 4, None).unwrap();
     let prompt = [5u32, 17, 42, 8];
     // Tree: 0 -> {1, 2}; 1 -> 3; 2 -> 4 -> 5.
     let tree = TokenTree::new(vec![9, 11, 12, 13, 14, 15], vec![0, 0, 1, 2, 4]).unwrap();
@@ -212,7 +190,7 @@ fn compaction_keeps_the_accepted_path_without_recompute() {
 
 #[test]
 fn extending_a_tree_level_by_level_equals_one_forward() {
-    let m = Llama::random(tiny(Arch::Qwen2, RopeStyle::Neox), 5, Some(GgmlDType::Q8_0)).unwrap();
+    let m = Llama::random(ModelConfig::tiny(Arch::Qwen2), 5, Some(GgmlDType::Q8_0)).unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(13);
     let prompt = [3u32, 1, 4, 1, 5];
     let mut whole = KvCache::new(m.config());
