@@ -1,5 +1,13 @@
 //! The cloud verifier: runs the LLM over drafted token trees and decides which tokens it keeps.
+//!
+//! Layers, from pure to I/O: [`verify`] (verification algorithms), [`session`] (one sequence's
+//! state, batched verification), [`engine`] (the thread that owns the model and batches rounds of
+//! many sessions), [`service`] (QUIC, auth, metrics), [`net`] (frames over QUIC, TLS).
 
+pub mod engine;
+pub mod metrics;
+pub mod net;
+pub mod service;
 pub mod session;
 pub mod verify;
 

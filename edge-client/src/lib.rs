@@ -1,8 +1,14 @@
 //! The edge side of specinfer: a draft model proposes, the speculator shapes its proposals into a
-//! token tree, a verifier (embedded in-process, or remote) decides.
+//! token tree, a verifier (remote over QUIC, or embedded in-process on loopback) decides.
 
+pub mod client;
 pub mod draft;
+pub mod embedded;
+pub mod remote;
 pub mod speculator;
 
+pub use client::{Client, ClientError, Drafting, Generation};
 pub use draft::{CandleDraft, DraftModel};
+pub use embedded::EmbeddedVerifier;
+pub use remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use speculator::{DraftMode, Speculator};

@@ -199,6 +199,16 @@ impl Tokenizer {
         chat_prompt(&all)
     }
 
+    /// What a peer must match for token ids to mean the same thing on both sides.
+    pub fn fingerprint(&self) -> specinfer_wire::ModelFingerprint {
+        specinfer_wire::ModelFingerprint {
+            vocab_size: self.vocab_size() as u32,
+            bos: self.bos,
+            eos: self.eos.clone(),
+            tokenizer_sha256: self.sha256,
+        }
+    }
+
     /// SHA-256 of the tokenizer's JSON form: two sides agree on token ids only if this matches.
     pub fn sha256(&self) -> [u8; 32] {
         self.sha256

@@ -133,9 +133,10 @@ pub struct Verified {
     /// Tree nodes whose tokens were accepted, root-to-leaf, excluding the root. The edge rolls its
     /// draft state back to this path.
     pub accepted_nodes: Vec<u32>,
-    /// The token the LLM produced itself after the accepted path (bonus or correction). It is the
-    /// root of the next round's tree.
-    pub next_token: u32,
+    /// Tokens appended to the sequence: the accepted nodes' tokens, then the token the LLM
+    /// produced itself (bonus or correction), which roots the next tree. Shorter when a stop
+    /// token or the length limit ended the session inside the round.
+    pub tokens: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub stats: RoundStats,
 }
@@ -173,7 +174,19 @@ pub enum Message {
     Verify(Verify),
     Verified(Verified),
     Error(ErrorFrame),
-    Close { session: u64 },
+    Close {
+        session: u64,
+    },
+    /// Re-attaches a session whose connection dropped, within the server's grace period.
+    Resume {
+        session: u64,
+        resume_token: [u8; 16],
+    },
+    /// Answer to `Resume`: the session's committed tokens (prompt and output so far).
+    Resumed {
+        session: u64,
+        committed: Vec<u32>,
+    },
 }
 
 /// Why a well-framed message was refused.
@@ -233,13 +246,21 @@ impl Message {
                 v.tree.validate(u32::MAX, limits)?;
                 Ok(())
             }
-            Message::Verified(v) => bound(
-                "accepted path",
-                v.accepted_nodes.len(),
-                limits.max_tree_nodes,
+            Message::Verified(v) => {
+                bound(
+                    "accepted path",
+                    v.accepted_nodes.len(),
+                    limits.max_tree_nodes,
+                )?;
+                bound("round tokens", v.tokens.len(), limits.max_tree_nodes + 1)
+            }
+            Message::Resumed { committed, .. } => bound(
+                "committed tokens",
+                committed.len(),
+                limits.max_prompt_tokens + limits.max_new_tokens,
             ),
             Message::Error(e) => bound("error message", e.message.len(), limits.max_message_bytes),
-            Message::SessionOpened(_) | Message::Close { .. } => Ok(()),
+            Message::SessionOpened(_) | Message::Close { .. } | Message::Resume { .. } => Ok(()),
         }
     }
 }

@@ -168,6 +168,12 @@ fn message_strategy() -> impl Strategy<Value = Message> {
             })
         }),
         any::<u64>().prop_map(|session| Message::Close { session }),
+        (any::<u64>(), any::<[u8; 16]>()).prop_map(|(session, resume_token)| Message::Resume {
+            session,
+            resume_token
+        }),
+        (any::<u64>(), prop::collection::vec(any::<u32>(), 0..300))
+            .prop_map(|(session, committed)| Message::Resumed { session, committed }),
     ]
 }
 

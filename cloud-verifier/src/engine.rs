@@ -1,0 +1,513 @@
+//! The engine thread: owns the LLM and every session, and runs continuous (iteration-level)
+//! batching. Verify requests that arrive while a forward is running wait in a FIFO queue; each
+//! iteration takes from its front, one round per session, until the node budget is spent, and
+//! runs them through ONE batched forward. Sessions join and leave between iterations.
+//!
+//! The network side talks to it through a bounded channel and gets answers on oneshot channels;
+//! a full channel or session table is answered with "busy", never queued without bound.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use specinfer_model::Llama;
+use specinfer_wire::{ErrorCode, Limits, RoundStats, SamplingParams, TokenTree};
+use tokio::sync::oneshot;
+
+use crate::metrics::Metrics;
+use crate::{verify_batch, RoundOutcome, Session};
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub limits: Limits,
+    pub max_sessions: usize,
+    /// KV cache bytes all sessions together may hold.
+    pub kv_budget_bytes: usize,
+    /// KV cache bytes one session may hold.
+    pub session_kv_bytes: usize,
+    /// Tree nodes one batched forward may carry (at least one whole tree always goes).
+    pub batch_node_budget: usize,
+    /// A session with no request for this long is closed.
+    pub idle_timeout: Duration,
+    /// A session whose stream vanished without `Close` is kept this long.
+    pub detach_grace: Duration,
+    /// Requests the engine queue holds before answering "busy".
+    pub queue_depth: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            limits: Limits::default(),
+            max_sessions: 64,
+            kv_budget_bytes: 4 << 30,
+            session_kv_bytes: 512 << 20,
+            batch_node_budget: 512,
+            idle_timeout: Duration::from_secs(300),
+            detach_grace: Duration::from_secs(30),
+            queue_depth: 1024,
+        }
+    }
+}
+
+/// An error for one request, as sent to the peer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub retry_after_ms: Option<u32>,
+}
+
+impl EngineError {
+    fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        EngineError {
+            code,
+            message: message.into(),
+            retry_after_ms: None,
+        }
+    }
+
+    fn busy(message: impl Into<String>) -> Self {
+        EngineError {
+            code: ErrorCode::Busy,
+            message: message.into(),
+            retry_after_ms: Some(500),
+        }
+    }
+}
+
+pub type SessionId = u64;
+
+pub struct Opened {
+    pub id: SessionId,
+    pub resume_token: [u8; 16],
+}
+
+pub struct Round {
+    pub outcome: RoundOutcome,
+    pub stats: RoundStats,
+}
+
+enum Request {
+    Open {
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        reply: oneshot::Sender<Result<Opened, EngineError>>,
+    },
+    Resume {
+        token: [u8; 16],
+        reply: oneshot::Sender<Result<(SessionId, Vec<u32>), EngineError>>,
+    },
+    Verify {
+        id: SessionId,
+        tree: TokenTree,
+        enqueued: Instant,
+        reply: oneshot::Sender<Result<Round, EngineError>>,
+    },
+    Detach {
+        id: SessionId,
+    },
+    Close {
+        id: SessionId,
+    },
+    Shutdown,
+}
+
+/// The network side's handle on the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Request>,
+}
+
+impl EngineHandle {
+    fn send(&self, r: Request) -> Result<(), EngineError> {
+        self.tx.try_send(r).map_err(|e| match e {
+            TrySendError::Full(_) => EngineError::busy("verifier queue is full"),
+            TrySendError::Disconnected(_) => {
+                EngineError::new(ErrorCode::Internal, "verifier is shutting down")
+            }
+        })
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, EngineError>>) -> Request,
+    ) -> Result<T, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        rx.await
+            .unwrap_or_else(|_| Err(EngineError::new(ErrorCode::Internal, "verifier stopped")))
+    }
+
+    pub async fn open(
+        &self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<Opened, EngineError> {
+        self.ask(|reply| Request::Open {
+            prompt,
+            params,
+            reply,
+        })
+        .await
+    }
+
+    /// Re-attaches a detached session; returns its id and committed tokens.
+    pub async fn resume(&self, token: [u8; 16]) -> Result<(SessionId, Vec<u32>), EngineError> {
+        self.ask(|reply| Request::Resume { token, reply }).await
+    }
+
+    pub async fn verify(&self, id: SessionId, tree: TokenTree) -> Result<Round, EngineError> {
+        self.ask(|reply| Request::Verify {
+            id,
+            tree,
+            enqueued: Instant::now(),
+            reply,
+        })
+        .await
+    }
+
+    /// The session's stream vanished: keep it for the grace period.
+    pub fn detach(&self, id: SessionId) {
+        // A full queue drops the notice; the idle timeout reclaims the session instead.
+        let _ = self.tx.try_send(Request::Detach { id });
+    }
+
+    pub fn close(&self, id: SessionId) {
+        let _ = self.tx.try_send(Request::Close { id });
+    }
+
+    /// Finishes queued rounds, then stops the engine thread.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Request::Shutdown);
+    }
+}
+
+struct Entry {
+    session: Session,
+    resume_token: [u8; 16],
+    last_used: Instant,
+    detached_at: Option<Instant>,
+}
+
+struct PendingVerify {
+    id: SessionId,
+    tree: TokenTree,
+    enqueued: Instant,
+    reply: oneshot::Sender<Result<Round, EngineError>>,
+}
+
+/// Starts the engine thread. It ends after `shutdown`, or when every handle is dropped.
+pub fn spawn(
+    model: Arc<Llama>,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+) -> (EngineHandle, std::thread::JoinHandle<()>) {
+    let (tx, rx) = sync_channel(cfg.queue_depth);
+    let thread = std::thread::Builder::new()
+        .name("specinfer-engine".into())
+        .spawn(move || {
+            Engine {
+                model,
+                cfg,
+                metrics,
+                sessions: HashMap::new(),
+                pending: VecDeque::new(),
+                next_id: 1,
+                seed: seed(),
+            }
+            .run(rx)
+        })
+        .expect("spawning the engine thread");
+    (EngineHandle { tx }, thread)
+}
+
+fn seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+struct Engine {
+    model: Arc<Llama>,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+    sessions: HashMap<SessionId, Entry>,
+    pending: VecDeque<PendingVerify>,
+    next_id: SessionId,
+    /// Keys resume tokens (unguessable per process).
+    seed: u64,
+}
+
+impl Engine {
+    fn run(mut self, rx: Receiver<Request>) {
+        let mut stopping = false;
+        loop {
+            if self.pending.is_empty() {
+                if stopping {
+                    break;
+                }
+                match rx.recv_timeout(Duration::from_secs(1)) {
+                    Ok(r) => stopping |= self.handle(r),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            // Everything that arrived meanwhile joins this iteration.
+            while let Ok(r) = rx.try_recv() {
+                stopping |= self.handle(r);
+            }
+            self.iteration();
+            self.evict();
+        }
+        tracing::info!(sessions = self.sessions.len(), "engine stopped");
+        self.metrics.sessions_active.store(0, Ordering::Relaxed);
+    }
+
+    /// Returns true on shutdown.
+    fn handle(&mut self, r: Request) -> bool {
+        match r {
+            Request::Open {
+                prompt,
+                params,
+                reply,
+            } => {
+                let _ = reply.send(self.open(prompt, params));
+            }
+            Request::Resume { token, reply } => {
+                let found = self
+                    .sessions
+                    .iter_mut()
+                    .find(|(_, e)| e.resume_token == token && e.detached_at.is_some());
+                let _ = reply.send(match found {
+                    Some((&id, e)) => {
+                        e.detached_at = None;
+                        e.last_used = Instant::now();
+                        Ok((id, e.session.tokens().to_vec()))
+                    }
+                    None => Err(EngineError::new(
+                        ErrorCode::UnknownSession,
+                        "no detached session has this resume token",
+                    )),
+                });
+            }
+            Request::Verify {
+                id,
+                tree,
+                enqueued,
+                reply,
+            } => {
+                if self.sessions.contains_key(&id) {
+                    self.pending.push_back(PendingVerify {
+                        id,
+                        tree,
+                        enqueued,
+                        reply,
+                    });
+                } else {
+                    let _ = reply.send(Err(EngineError::new(
+                        ErrorCode::UnknownSession,
+                        format!("session {id} is not open"),
+                    )));
+                }
+            }
+            Request::Detach { id } => {
+                if let Some(e) = self.sessions.get_mut(&id) {
+                    e.detached_at = Some(Instant::now());
+                }
+            }
+            Request::Close { id } => self.remove(id, "closed"),
+            Request::Shutdown => return true,
+        }
+        false
+    }
+
+    fn kv_bytes(&self) -> usize {
+        self.sessions.values().map(|e| e.session.kv_bytes()).sum()
+    }
+
+    fn open(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<Opened, EngineError> {
+        if self.sessions.len() >= self.cfg.max_sessions {
+            return Err(EngineError::busy(format!(
+                "all {} sessions are in use",
+                self.cfg.max_sessions
+            )));
+        }
+        let cfg = self.model.config();
+        let per_token = 2 * cfg.n_layers * cfg.kv_row() * 4;
+        let need = (prompt.len()
+            + params.max_new_tokens as usize
+            + self.cfg.limits.max_tree_nodes as usize)
+            * per_token;
+        if need > self.cfg.session_kv_bytes {
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "prompt + max_new_tokens need {need} KV bytes, a session may hold {}",
+                    self.cfg.session_kv_bytes
+                ),
+            ));
+        }
+        if prompt.len() + params.max_new_tokens as usize + self.cfg.limits.max_tree_nodes as usize
+            > cfg.max_positions
+        {
+            return Err(EngineError::new(
+                ErrorCode::LimitExceeded,
+                format!(
+                    "prompt + max_new_tokens exceed the model's context of {}",
+                    cfg.max_positions
+                ),
+            ));
+        }
+        if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
+            return Err(EngineError::busy("the verifier's KV memory is full"));
+        }
+        let t = Instant::now();
+        let session = Session::open(&self.model, &prompt, params, &self.cfg.limits)
+            .map_err(|e| EngineError::new(ErrorCode::BadFrame, e.to_string()))?;
+        self.metrics
+            .prefill_seconds
+            .observe(t.elapsed().as_secs_f64());
+        let id = self.next_id;
+        self.next_id += 1;
+        let resume_token = self.resume_token(id);
+        self.sessions.insert(
+            id,
+            Entry {
+                session,
+                resume_token,
+                last_used: Instant::now(),
+                detached_at: None,
+            },
+        );
+        self.metrics.sessions_opened.fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .sessions_active
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::debug!(id, prompt = prompt.len(), "session opened");
+        Ok(Opened { id, resume_token })
+    }
+
+    fn resume_token(&self, id: SessionId) -> [u8; 16] {
+        use sha2::{Digest, Sha256};
+        let h = Sha256::new()
+            .chain_update(self.seed.to_le_bytes())
+            .chain_update(id.to_le_bytes())
+            .finalize();
+        h[..16].try_into().expect("16 of 32 bytes")
+    }
+
+    fn remove(&mut self, id: SessionId, why: &str) {
+        if self.sessions.remove(&id).is_some() {
+            tracing::debug!(id, why, "session removed");
+            self.metrics
+                .sessions_active
+                .store(self.sessions.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// One continuous-batching iteration.
+    fn iteration(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut batch: Vec<PendingVerify> = Vec::new();
+        let mut nodes = 0;
+        let mut deferred = VecDeque::new();
+        while let Some(p) = self.pending.pop_front() {
+            let fits = batch.is_empty() || nodes + p.tree.len() <= self.cfg.batch_node_budget;
+            // One round per session per forward: a second tree needs the first one's outcome.
+            if !fits || batch.iter().any(|b| b.id == p.id) {
+                deferred.push_back(p);
+                continue;
+            }
+            if !self.sessions.contains_key(&p.id) {
+                let _ = p.reply.send(Err(EngineError::new(
+                    ErrorCode::UnknownSession,
+                    "session closed",
+                )));
+                continue;
+            }
+            nodes += p.tree.len();
+            batch.push(p);
+        }
+        // Deferred requests keep their place at the front: FIFO, so nobody starves.
+        self.pending = deferred;
+
+        let started = Instant::now();
+        // Sessions leave the table for the forward so each can be borrowed mutably; sorting the
+        // batch by id pairs every request with its session.
+        batch.sort_unstable_by_key(|b| b.id);
+        let mut entries: Vec<(SessionId, Entry)> = batch
+            .iter()
+            .map(|b| (b.id, self.sessions.remove(&b.id).expect("checked above")))
+            .collect();
+        let results = {
+            let mut work: Vec<(&mut Session, &TokenTree)> = entries
+                .iter_mut()
+                .zip(&batch)
+                .map(|((_, e), b)| (&mut e.session, &b.tree))
+                .collect();
+            verify_batch(&self.model, &self.cfg.limits, &mut work)
+        };
+        let forward = started.elapsed();
+        self.metrics.batch_size.observe(batch.len() as f64);
+        self.metrics.forward_seconds.observe(forward.as_secs_f64());
+        self.metrics.batches.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        for (id, mut e) in entries.drain(..) {
+            e.last_used = now;
+            self.sessions.insert(id, e);
+        }
+        let batch_len = batch.len() as u32;
+        for (p, result) in batch.into_iter().zip(results) {
+            let queue = started.duration_since(p.enqueued);
+            self.metrics.queue_seconds.observe(queue.as_secs_f64());
+            let reply = match result {
+                Ok(outcome) => {
+                    self.metrics.record_round(&outcome);
+                    let stats = RoundStats {
+                        tree_nodes: p.tree.len() as u32,
+                        batch_size: batch_len,
+                        queue_us: queue.as_micros().min(u32::MAX as u128) as u32,
+                        forward_us: forward.as_micros().min(u32::MAX as u128) as u32,
+                    };
+                    Ok(Round { outcome, stats })
+                }
+                Err(e) => {
+                    let code = match e {
+                        crate::SessionError::Finished(_) => ErrorCode::OutOfOrder,
+                        crate::SessionError::Model(_) => ErrorCode::Internal,
+                        _ => ErrorCode::BadFrame,
+                    };
+                    Err(EngineError::new(code, e.to_string()))
+                }
+            };
+            let _ = p.reply.send(reply);
+        }
+    }
+
+    fn evict(&mut self) {
+        let now = Instant::now();
+        let expired: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(_, e)| {
+                now.duration_since(e.last_used) > self.cfg.idle_timeout
+                    || e.detached_at
+                        .is_some_and(|t| now.duration_since(t) > self.cfg.detach_grace)
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            self.remove(id, "idle or detached past the grace period");
+        }
+    }
+}

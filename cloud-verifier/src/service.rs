@@ -1,0 +1,407 @@
+//! The QUIC service. A connection's first bidirectional stream carries the hello (version, API key,
+//! model fingerprint); every later bidirectional stream carries one session (open or resume,
+//! verify rounds, close). A bad frame closes its stream and session only; the connection and
+//! every other session go on.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::{Connection, RecvStream, SendStream};
+use specinfer_model::Llama;
+use specinfer_wire::{
+    ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, Verified,
+    PROTOCOL_VERSION,
+};
+
+use crate::engine::{self, EngineConfig, EngineError, EngineHandle, SessionId};
+use crate::metrics::Metrics;
+use crate::net::{read_frame, write_frame, NetError, ServerIdentity};
+
+#[derive(Clone)]
+pub struct ServiceConfig {
+    pub engine: EngineConfig,
+    /// `None` serves without authentication (only with an explicit opt-in on the command line).
+    pub api_keys: Option<HashSet<String>>,
+    pub model_name: String,
+    pub fingerprint: ModelFingerprint,
+    /// How long a new connection may take to say hello.
+    pub hello_timeout: Duration,
+}
+
+struct Ctx {
+    cfg: ServiceConfig,
+    engine: EngineHandle,
+    metrics: Arc<Metrics>,
+}
+
+/// A verifier serving on a QUIC endpoint.
+pub struct RunningVerifier {
+    endpoint: quinn::Endpoint,
+    ctx: Arc<Ctx>,
+    engine_thread: Option<std::thread::JoinHandle<()>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+/// Starts the engine thread and the QUIC endpoint. Must be called inside a tokio runtime.
+pub fn start(
+    model: Arc<Llama>,
+    identity: &ServerIdentity,
+    listen: SocketAddr,
+    cfg: ServiceConfig,
+) -> Result<RunningVerifier, NetError> {
+    let endpoint = quinn::Endpoint::server(identity.quinn_config()?, listen)?;
+    let metrics = Arc::new(Metrics::default());
+    let (engine, engine_thread) = engine::spawn(model, cfg.engine.clone(), metrics.clone());
+    if cfg.api_keys.is_none() {
+        tracing::warn!("serving WITHOUT authentication (--insecure-no-auth): anyone who can reach this port may use it");
+    }
+    let ctx = Arc::new(Ctx {
+        cfg,
+        engine,
+        metrics,
+    });
+    let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
+    tracing::info!(addr = %endpoint.local_addr()?, fingerprint = identity.fingerprint(), "verifier listening");
+    Ok(RunningVerifier {
+        endpoint,
+        ctx,
+        engine_thread: Some(engine_thread),
+        accept,
+    })
+}
+
+impl RunningVerifier {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint
+            .local_addr()
+            .expect("a bound endpoint has an address")
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.ctx.metrics
+    }
+
+    /// Stops accepting connections, lets queued rounds finish, then closes every connection.
+    pub async fn shutdown(mut self) {
+        self.endpoint.set_server_config(None);
+        self.accept.abort();
+        self.ctx.engine.shutdown();
+        if let Some(t) = self.engine_thread.take() {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+        self.endpoint.close(0u32.into(), b"verifier shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
+        tracing::info!("verifier stopped");
+    }
+}
+
+async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<Ctx>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            match incoming.await {
+                Ok(conn) => {
+                    ctx.metrics.connections.fetch_add(1, Ordering::Relaxed);
+                    let remote = conn.remote_address();
+                    if let Err(e) = connection(conn, &ctx).await {
+                        tracing::debug!(%remote, "connection ended: {e}");
+                    }
+                }
+                Err(e) => tracing::debug!("handshake failed: {e}"),
+            }
+        });
+    }
+}
+
+fn error(code: ErrorCode, session: Option<u64>, message: impl Into<String>) -> Message {
+    Message::Error(ErrorFrame {
+        code,
+        session,
+        message: message.into(),
+        retry_after_ms: None,
+    })
+}
+
+fn engine_error(e: EngineError, session: u64) -> Message {
+    Message::Error(ErrorFrame {
+        code: e.code,
+        session: Some(session),
+        message: e.message,
+        retry_after_ms: e.retry_after_ms,
+    })
+}
+
+impl Ctx {
+    async fn send(&self, send: &mut SendStream, msg: &Message) -> Result<(), NetError> {
+        if let Message::Error(e) = msg {
+            self.metrics.error(e.code);
+        }
+        let n = write_frame(send, msg).await?;
+        self.metrics
+            .bytes_out
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    async fn recv(&self, recv: &mut RecvStream) -> Result<Option<Message>, NetError> {
+        let got = read_frame(recv, &self.cfg.engine.limits).await?;
+        Ok(got.map(|(m, n)| {
+            self.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+            m
+        }))
+    }
+
+    /// Checks the client's hello; the error to send back when it is refused.
+    fn check_hello(&self, msg: Message) -> Result<(), Message> {
+        let Message::ClientHello(h) = msg else {
+            return Err(error(
+                ErrorCode::BadFrame,
+                None,
+                "the first frame must be ClientHello",
+            ));
+        };
+        if h.protocol_version != PROTOCOL_VERSION {
+            return Err(error(
+                ErrorCode::UnsupportedVersion,
+                None,
+                format!(
+                    "client speaks protocol {}, this verifier speaks {PROTOCOL_VERSION}",
+                    h.protocol_version
+                ),
+            ));
+        }
+        if let Some(keys) = &self.cfg.api_keys {
+            if !h.api_key.as_ref().is_some_and(|k| keys.contains(k)) {
+                return Err(error(
+                    ErrorCode::Unauthorized,
+                    None,
+                    "missing or unknown API key",
+                ));
+            }
+        }
+        if h.expected_model != self.cfg.fingerprint {
+            return Err(error(
+                ErrorCode::ModelMismatch,
+                None,
+                format!(
+                    "tokenizer mismatch: the verifier's model is [{}], the client expects [{}]",
+                    self.cfg.fingerprint, h.expected_model
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+async fn connection(conn: Connection, ctx: &Arc<Ctx>) -> Result<(), NetError> {
+    let (mut send, mut recv) = tokio::time::timeout(ctx.cfg.hello_timeout, conn.accept_bi())
+        .await
+        .map_err(|_| NetError::Timeout)??;
+    let hello = tokio::time::timeout(ctx.cfg.hello_timeout, ctx.recv(&mut recv))
+        .await
+        .map_err(|_| NetError::Timeout)?;
+    let refusal = match hello {
+        Ok(Some(msg)) => ctx.check_hello(msg).err(),
+        Ok(None) => Some(error(
+            ErrorCode::BadFrame,
+            None,
+            "stream ended before ClientHello",
+        )),
+        Err(NetError::Decode(e)) => Some(error(ErrorCode::BadFrame, None, e.to_string())),
+        Err(e) => return Err(e),
+    };
+    if let Some(refusal) = refusal {
+        ctx.send(&mut send, &refusal).await?;
+        let _ = send.finish();
+        // Give the client a moment to read the reason before the connection goes.
+        let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+        conn.close(1u32.into(), b"refused");
+        return Ok(());
+    }
+    let hello = Message::ServerHello(ServerHello {
+        protocol_version: PROTOCOL_VERSION,
+        model_name: ctx.cfg.model_name.clone(),
+        model: ctx.cfg.fingerprint.clone(),
+        limits: ctx.cfg.engine.limits,
+    });
+    ctx.send(&mut send, &hello).await?;
+    loop {
+        let (send, recv) = conn.accept_bi().await?;
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            session_stream(send, recv, &ctx).await;
+        });
+    }
+}
+
+/// The session a stream carries: the client's id for it and the engine's.
+struct Bound {
+    client_id: u64,
+    id: SessionId,
+    next_round: u32,
+}
+
+async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
+    let mut bound: Option<Bound> = None;
+    let closed_cleanly = loop {
+        let msg = match ctx.recv(&mut recv).await {
+            Ok(Some(m)) => m,
+            Ok(None) => break false,
+            Err(NetError::Decode(e)) => {
+                let _ = ctx
+                    .send(
+                        &mut send,
+                        &error(
+                            ErrorCode::BadFrame,
+                            bound.as_ref().map(|b| b.client_id),
+                            e.to_string(),
+                        ),
+                    )
+                    .await;
+                let _ = send.finish();
+                if let Some(b) = &bound {
+                    ctx.engine.close(b.id);
+                }
+                return;
+            }
+            Err(_) => break false,
+        };
+        let reply = match msg {
+            Message::OpenSession(o) if bound.is_none() => {
+                match ctx.engine.open(o.prompt, o.params).await {
+                    Ok(opened) => {
+                        bound = Some(Bound {
+                            client_id: o.session,
+                            id: opened.id,
+                            next_round: 0,
+                        });
+                        Message::SessionOpened(SessionOpened {
+                            session: o.session,
+                            resume_token: opened.resume_token,
+                        })
+                    }
+                    Err(e) => engine_error(e, o.session),
+                }
+            }
+            Message::Resume {
+                session,
+                resume_token,
+            } if bound.is_none() => match ctx.engine.resume(resume_token).await {
+                Ok((id, committed)) => {
+                    bound = Some(Bound {
+                        client_id: session,
+                        id,
+                        next_round: 0,
+                    });
+                    Message::Resumed { session, committed }
+                }
+                Err(e) => engine_error(e, session),
+            },
+            Message::Verify(v) if bound.as_ref().is_some_and(|b| b.client_id == v.session) => {
+                let b = bound.as_mut().expect("checked by the guard");
+                if v.round != b.next_round {
+                    error(
+                        ErrorCode::OutOfOrder,
+                        Some(v.session),
+                        format!("expected round {}, got {}", b.next_round, v.round),
+                    )
+                } else {
+                    match ctx.engine.verify(b.id, v.tree).await {
+                        Ok(r) => {
+                            b.next_round += 1;
+                            let accepted =
+                                r.outcome.accepted_nodes.len().min(r.outcome.tokens.len());
+                            Message::Verified(Verified {
+                                session: v.session,
+                                round: v.round,
+                                accepted_nodes: r.outcome.accepted_nodes[..accepted].to_vec(),
+                                tokens: r.outcome.tokens,
+                                finish: r.outcome.finish,
+                                stats: r.stats,
+                            })
+                        }
+                        Err(e) => {
+                            let fatal = e.code == ErrorCode::BadFrame;
+                            let reply = engine_error(e, v.session);
+                            if fatal {
+                                // A tree the model refused: the session ends, the stream with it.
+                                let _ = ctx.send(&mut send, &reply).await;
+                                let _ = send.finish();
+                                ctx.engine.close(b.id);
+                                return;
+                            }
+                            reply
+                        }
+                    }
+                }
+            }
+            Message::Close { .. } => break true,
+            other => error(
+                ErrorCode::OutOfOrder,
+                bound.as_ref().map(|b| b.client_id),
+                format!(
+                    "unexpected {} on a session stream in this state",
+                    message_name(&other)
+                ),
+            ),
+        };
+        if ctx.send(&mut send, &reply).await.is_err() {
+            break false;
+        }
+    };
+    if let Some(b) = bound {
+        if closed_cleanly {
+            ctx.engine.close(b.id);
+        } else {
+            ctx.engine.detach(b.id);
+        }
+    }
+    let _ = send.finish();
+}
+
+fn message_name(m: &Message) -> &'static str {
+    match m {
+        Message::ClientHello(_) => "ClientHello",
+        Message::ServerHello(_) => "ServerHello",
+        Message::OpenSession(_) => "OpenSession",
+        Message::SessionOpened(_) => "SessionOpened",
+        Message::Verify(_) => "Verify",
+        Message::Verified(_) => "Verified",
+        Message::Error(_) => "Error",
+        Message::Close { .. } => "Close",
+        Message::Resume { .. } => "Resume",
+        Message::Resumed { .. } => "Resumed",
+    }
+}
+
+/// Serves the metrics in Prometheus text format over plain HTTP (`GET /metrics`).
+pub async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut sock, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let n = match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await {
+                Ok(Ok(n)) => n,
+                _ => return,
+            };
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                ("200 OK", metrics.render())
+            } else {
+                ("404 Not Found", "try GET /metrics\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(resp.as_bytes()).await;
+        });
+    }
+}

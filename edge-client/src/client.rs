@@ -1,0 +1,187 @@
+//! Speculative generation against a verifier: draft a tree, send it, keep what comes back, and
+//! survive a lost connection without losing text (resume the session, or re-open it with the
+//! tokens committed so far).
+
+use std::time::{Duration, Instant};
+
+use specinfer_model::ModelError;
+use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree};
+
+use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
+use crate::{DraftModel, Speculator};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    #[error("draft model: {0}")]
+    Draft(#[from] ModelError),
+}
+
+/// What one generation did.
+#[derive(Clone, Debug, Default)]
+pub struct Generation {
+    pub token_ids: Vec<u32>,
+    pub rounds: usize,
+    /// Tokens emitted by each round (tau per round).
+    pub accepted_per_round: Vec<usize>,
+    pub finish: Option<FinishReason>,
+    pub wall: Duration,
+    /// Time from the request to the first round's answer.
+    pub ttft: Duration,
+    pub bytes_up: usize,
+    pub bytes_down: usize,
+    /// Verifier-side forward time summed over rounds.
+    pub verifier_forward: Duration,
+    pub reconnects: usize,
+}
+
+/// How each round's tree is made.
+pub enum Drafting<'a> {
+    /// Root-only trees: plain incremental decoding through the same path (the baseline).
+    None,
+    Tree {
+        speculator: &'a mut Speculator,
+        draft: &'a mut dyn DraftModel,
+    },
+}
+
+/// A verifier connection that reconnects on demand.
+pub struct Client {
+    cfg: RemoteConfig,
+    remote: Option<Remote>,
+    next_session: u64,
+}
+
+impl Client {
+    pub async fn connect(cfg: RemoteConfig) -> Result<Client, ClientError> {
+        let remote = Remote::connect(&cfg).await?;
+        Ok(Client {
+            cfg,
+            remote: Some(remote),
+            next_session: 1,
+        })
+    }
+
+    async fn remote(&mut self) -> Result<&Remote, ClientError> {
+        if self.remote.is_none() {
+            self.remote = Some(Remote::connect(&self.cfg).await?);
+        }
+        Ok(self.remote.as_ref().expect("just connected"))
+    }
+
+    /// Generates after `prompt` (token ids), calling `on_tokens` with each round's new tokens.
+    pub async fn generate(
+        &mut self,
+        prompt: &[u32],
+        params: SamplingParams,
+        mut drafting: Drafting<'_>,
+        mut on_tokens: impl FnMut(&[u32]),
+    ) -> Result<Generation, ClientError> {
+        let start = Instant::now();
+        let id = self.next_session;
+        self.next_session += 1;
+        let mut g = Generation::default();
+        let mut committed = prompt.to_vec();
+        let mut session = self
+            .remote()
+            .await?
+            .open(id, committed.clone(), params.clone())
+            .await?;
+        loop {
+            let tree = match &mut drafting {
+                Drafting::None => TokenTree::root(*committed.last().expect("never empty")),
+                Drafting::Tree { speculator, draft } => {
+                    speculator.draft(&mut **draft, &committed)?
+                }
+            };
+            match session.verify(tree).await {
+                Ok(v) => {
+                    if g.rounds == 0 {
+                        g.ttft = start.elapsed();
+                    }
+                    g.rounds += 1;
+                    g.accepted_per_round.push(v.tokens.len());
+                    g.verifier_forward += Duration::from_micros(v.stats.forward_us as u64);
+                    committed.extend(&v.tokens);
+                    g.token_ids.extend(&v.tokens);
+                    on_tokens(&v.tokens);
+                    if v.finish.is_some() {
+                        g.finish = v.finish;
+                        break;
+                    }
+                }
+                Err(e) if e.is_connection_loss() && g.reconnects < 3 => {
+                    tracing::warn!("lost the verifier ({e}); reconnecting");
+                    g.reconnects += 1;
+                    g.bytes_up += session.bytes_up;
+                    g.bytes_down += session.bytes_down;
+                    self.remote = None;
+                    let token = session.resume_token();
+                    session = self
+                        .recover(
+                            id,
+                            token,
+                            &mut committed,
+                            &mut g,
+                            prompt.len(),
+                            &params,
+                            &mut on_tokens,
+                        )
+                        .await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        g.bytes_up += session.bytes_up;
+        g.bytes_down += session.bytes_down;
+        let _ = session.close().await;
+        g.wall = start.elapsed();
+        Ok(g)
+    }
+
+    /// After a lost connection: resume the session if the verifier still holds it (taking any
+    /// tokens of a round whose answer was lost), else open a new one with everything committed.
+    #[allow(clippy::too_many_arguments)]
+    async fn recover(
+        &mut self,
+        id: u64,
+        resume_token: [u8; 16],
+        committed: &mut Vec<u32>,
+        g: &mut Generation,
+        prompt_len: usize,
+        params: &SamplingParams,
+        on_tokens: &mut impl FnMut(&[u32]),
+    ) -> Result<RemoteSession, ClientError> {
+        let remote = self.remote().await?;
+        match remote.resume(id, resume_token).await {
+            Ok((s, server)) if server.starts_with(committed) => {
+                let missed = &server[committed.len()..];
+                if !missed.is_empty() {
+                    g.token_ids.extend(missed);
+                    on_tokens(missed);
+                    committed.extend_from_slice(missed);
+                }
+                Ok(s)
+            }
+            // Gone (grace period over, or the verifier restarted): re-open with all we have. A
+            // sampled session then continues with a fresh RNG stream (still exact sampling).
+            Ok(_)
+            | Err(RemoteError::Refused(ErrorFrame {
+                code: ErrorCode::UnknownSession,
+                ..
+            })) => {
+                let left = params
+                    .max_new_tokens
+                    .saturating_sub((committed.len() - prompt_len) as u32)
+                    .max(1);
+                let params = SamplingParams {
+                    max_new_tokens: left,
+                    ..params.clone()
+                };
+                Ok(remote.open(id, committed.clone(), params).await?)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}

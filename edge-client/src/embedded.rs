@@ -1,0 +1,104 @@
+//! An in-process verifier on loopback, for the first run without a server: the same QUIC path as
+//! a remote verifier, with a fresh self-signed certificate pinned and a random API key.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use specinfer_model::{Llama, Tokenizer};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::net::{NetError, ServerIdentity, Trust};
+use specinfer_verifier::service::{self, ServiceConfig};
+use tokio::sync::oneshot;
+
+use crate::remote::RemoteConfig;
+
+pub struct EmbeddedVerifier {
+    pub remote: RemoteConfig,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl EmbeddedVerifier {
+    /// Starts the verifier on its own thread and runtime, so a client blocking on drafting never
+    /// stalls it.
+    pub fn start(
+        model: Arc<Llama>,
+        tokenizer: &Tokenizer,
+        engine: EngineConfig,
+    ) -> Result<Self, NetError> {
+        let identity = ServerIdentity::self_signed(&["localhost"])?;
+        let Trust::Pinned(pin) = Trust::pinned_hex(&identity.fingerprint())? else {
+            unreachable!("pinned_hex pins")
+        };
+        let api_key = random_key();
+        let cfg = ServiceConfig {
+            engine,
+            api_keys: Some([api_key.clone()].into()),
+            model_name: "embedded".into(),
+            fingerprint: tokenizer.fingerprint(),
+            hello_timeout: Duration::from_secs(10),
+        };
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, NetError>>();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("specinfer-embedded-verifier".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => return drop(addr_tx.send(Err(e.into()))),
+                };
+                rt.block_on(async move {
+                    let listen: SocketAddr = "127.0.0.1:0".parse().expect("literal");
+                    match service::start(model, &identity, listen, cfg) {
+                        Ok(server) => {
+                            let _ = addr_tx.send(Ok(server.local_addr()));
+                            let _ = stopped.await;
+                            server.shutdown().await;
+                        }
+                        Err(e) => drop(addr_tx.send(Err(e))),
+                    }
+                });
+            })?;
+        let addr = addr_rx
+            .recv()
+            .map_err(|_| NetError::Tls("embedded verifier thread died".into()))??;
+        let remote = RemoteConfig {
+            addr,
+            server_name: "localhost".into(),
+            trust: Trust::Pinned(pin),
+            api_key: Some(api_key),
+            expected_model: tokenizer.fingerprint(),
+        };
+        Ok(EmbeddedVerifier {
+            remote,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for EmbeddedVerifier {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn random_key() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    (0..4)
+        .map(|_| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(std::process::id() as u64);
+            format!("{:016x}", h.finish())
+        })
+        .collect()
+}

@@ -1,0 +1,235 @@
+//! The QUIC client side of the protocol: hello, then one stream per session.
+
+use std::net::SocketAddr;
+
+use specinfer_verifier::net::{client_config, read_frame, write_frame, NetError, Trust};
+use specinfer_wire::{
+    ClientHello, ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, OpenSession,
+    SamplingParams, ServerHello, TokenTree, Verified, Verify, PROTOCOL_VERSION,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("verifier refused ({:?}): {}", .0.code, .0.message)]
+    Refused(ErrorFrame),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+impl RemoteError {
+    /// Whether reconnecting could help (the connection broke), as opposed to a refusal.
+    pub fn is_connection_loss(&self) -> bool {
+        matches!(self, RemoteError::Net(_))
+    }
+
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            RemoteError::Refused(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// Where and how to reach a verifier.
+#[derive(Clone, Debug)]
+pub struct RemoteConfig {
+    pub addr: SocketAddr,
+    /// Name the certificate must carry (ignored when pinning).
+    pub server_name: String,
+    pub trust: Trust,
+    pub api_key: Option<String>,
+    pub expected_model: ModelFingerprint,
+}
+
+/// A connection to a verifier that has accepted our hello.
+pub struct Remote {
+    _endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    pub server: ServerHello,
+    limits: Limits,
+}
+
+impl Remote {
+    pub async fn connect(cfg: &RemoteConfig) -> Result<Remote, RemoteError> {
+        let bind: SocketAddr = if cfg.addr.is_ipv6() {
+            "[::]:0"
+        } else {
+            "0.0.0.0:0"
+        }
+        .parse()
+        .expect("literal");
+        let mut endpoint = quinn::Endpoint::client(bind).map_err(NetError::from)?;
+        endpoint.set_default_client_config(client_config(&cfg.trust)?);
+        let conn = endpoint
+            .connect(cfg.addr, &cfg.server_name)
+            .map_err(NetError::from)?
+            .await
+            .map_err(NetError::from)?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(NetError::from)?;
+        let hello = Message::ClientHello(ClientHello {
+            protocol_version: PROTOCOL_VERSION,
+            expected_model: cfg.expected_model.clone(),
+            api_key: cfg.api_key.clone(),
+        });
+        write_frame(&mut send, &hello).await?;
+        // Until the server tells us its limits, accept what any server may send.
+        let limits = Limits::default();
+        match read_frame(&mut recv, &limits).await? {
+            Some((Message::ServerHello(server), _)) => Ok(Remote {
+                limits: server.limits,
+                _endpoint: endpoint,
+                conn,
+                server,
+            }),
+            Some((Message::Error(e), _)) => Err(RemoteError::Refused(e)),
+            Some((other, _)) => Err(RemoteError::Protocol(format!(
+                "expected ServerHello, got {other:?}"
+            ))),
+            None => Err(RemoteError::Protocol(
+                "verifier closed the hello stream".into(),
+            )),
+        }
+    }
+
+    async fn stream(&self) -> Result<(quinn::SendStream, quinn::RecvStream), RemoteError> {
+        Ok(self.conn.open_bi().await.map_err(NetError::from)?)
+    }
+
+    /// Opens a session; `prompt`'s last token roots the first tree.
+    pub async fn open(
+        &self,
+        session: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<RemoteSession, RemoteError> {
+        let (send, recv) = self.stream().await?;
+        let mut s = RemoteSession {
+            send,
+            recv,
+            session,
+            round: 0,
+            resume_token: [0; 16],
+            limits: self.limits,
+            bytes_up: 0,
+            bytes_down: 0,
+        };
+        match s
+            .call(Message::OpenSession(OpenSession {
+                session,
+                prompt,
+                params,
+            }))
+            .await?
+        {
+            Message::SessionOpened(o) if o.session == session => {
+                s.resume_token = o.resume_token;
+                Ok(s)
+            }
+            other => Err(unexpected("SessionOpened", other)),
+        }
+    }
+
+    /// Re-attaches a session that lost its connection; returns it and its committed tokens.
+    pub async fn resume(
+        &self,
+        session: u64,
+        resume_token: [u8; 16],
+    ) -> Result<(RemoteSession, Vec<u32>), RemoteError> {
+        let (send, recv) = self.stream().await?;
+        let mut s = RemoteSession {
+            send,
+            recv,
+            session,
+            round: 0,
+            resume_token,
+            limits: self.limits,
+            bytes_up: 0,
+            bytes_down: 0,
+        };
+        match s
+            .call(Message::Resume {
+                session,
+                resume_token,
+            })
+            .await?
+        {
+            Message::Resumed {
+                session: id,
+                committed,
+            } if id == session => Ok((s, committed)),
+            other => Err(unexpected("Resumed", other)),
+        }
+    }
+}
+
+fn unexpected(wanted: &str, got: Message) -> RemoteError {
+    match got {
+        Message::Error(e) => RemoteError::Refused(e),
+        other => RemoteError::Protocol(format!("expected {wanted}, got {other:?}")),
+    }
+}
+
+/// One session on its own stream.
+pub struct RemoteSession {
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+    session: u64,
+    round: u32,
+    resume_token: [u8; 16],
+    limits: Limits,
+    pub bytes_up: usize,
+    pub bytes_down: usize,
+}
+
+impl RemoteSession {
+    async fn call(&mut self, msg: Message) -> Result<Message, RemoteError> {
+        self.bytes_up += write_frame(&mut self.send, &msg).await?;
+        match read_frame(&mut self.recv, &self.limits).await? {
+            Some((reply, n)) => {
+                self.bytes_down += n;
+                Ok(reply)
+            }
+            None => Err(RemoteError::Protocol(
+                "verifier closed the session stream".into(),
+            )),
+        }
+    }
+
+    pub fn resume_token(&self) -> [u8; 16] {
+        self.resume_token
+    }
+
+    /// Sends one tree and waits for the verdict.
+    pub async fn verify(&mut self, tree: TokenTree) -> Result<Verified, RemoteError> {
+        let round = self.round;
+        match self
+            .call(Message::Verify(Verify {
+                session: self.session,
+                round,
+                tree,
+            }))
+            .await?
+        {
+            Message::Verified(v) if v.session == self.session && v.round == round => {
+                self.round += 1;
+                Ok(v)
+            }
+            other => Err(unexpected("Verified", other)),
+        }
+    }
+
+    /// Ends the session; the verifier frees its memory at once.
+    pub async fn close(mut self) -> Result<(), RemoteError> {
+        self.bytes_up += write_frame(
+            &mut self.send,
+            &Message::Close {
+                session: self.session,
+            },
+        )
+        .await?;
+        let _ = self.send.finish();
+        Ok(())
+    }
+}
