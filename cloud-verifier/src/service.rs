@@ -338,7 +338,11 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
                     }
                 }
             }
-            Message::Close { .. } => break true,
+            Message::Close { session } => {
+                // Acknowledged, so the client knows the memory is freed before it goes.
+                let _ = ctx.send(&mut send, &Message::Close { session }).await;
+                break true;
+            }
             other => error(
                 ErrorCode::OutOfOrder,
                 bound.as_ref().map(|b| b.client_id),
@@ -352,6 +356,11 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
             break false;
         }
     };
+    tracing::debug!(
+        closed_cleanly,
+        session = bound.as_ref().map(|b| b.id),
+        "session stream ended"
+    );
     if let Some(b) = bound {
         if closed_cleanly {
             ctx.engine.close(b.id);

@@ -63,6 +63,13 @@ impl Client {
         })
     }
 
+    /// Closes the connection and waits until the verifier has been told.
+    pub async fn shutdown(self) {
+        if let Some(r) = self.remote {
+            r.shutdown().await;
+        }
+    }
+
     async fn remote(&mut self) -> Result<&Remote, ClientError> {
         if self.remote.is_none() {
             self.remote = Some(Remote::connect(&self.cfg).await?);

@@ -45,7 +45,7 @@ pub struct RemoteConfig {
 
 /// A connection to a verifier that has accepted our hello.
 pub struct Remote {
-    _endpoint: quinn::Endpoint,
+    endpoint: quinn::Endpoint,
     conn: quinn::Connection,
     pub server: ServerHello,
     limits: Limits,
@@ -79,7 +79,7 @@ impl Remote {
         match read_frame(&mut recv, &limits).await? {
             Some((Message::ServerHello(server), _)) => Ok(Remote {
                 limits: server.limits,
-                _endpoint: endpoint,
+                endpoint,
                 conn,
                 server,
             }),
@@ -91,6 +91,13 @@ impl Remote {
                 "verifier closed the hello stream".into(),
             )),
         }
+    }
+
+    /// Closes the connection and waits (briefly) until the verifier has been told.
+    pub async fn shutdown(self) {
+        self.conn.close(0u32.into(), b"client done");
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
+            .await;
     }
 
     async fn stream(&self) -> Result<(quinn::SendStream, quinn::RecvStream), RemoteError> {
@@ -220,16 +227,15 @@ impl RemoteSession {
         }
     }
 
-    /// Ends the session; the verifier frees its memory at once.
+    /// Ends the session and waits for the verifier's acknowledgement: its memory is freed at
+    /// once, and a process that exits right after leaves nothing waiting out a grace period.
     pub async fn close(mut self) -> Result<(), RemoteError> {
-        self.bytes_up += write_frame(
-            &mut self.send,
-            &Message::Close {
-                session: self.session,
-            },
-        )
-        .await?;
+        let session = self.session;
+        let reply = self.call(Message::Close { session }).await?;
         let _ = self.send.finish();
-        Ok(())
+        match reply {
+            Message::Close { session: s } if s == session => Ok(()),
+            other => Err(unexpected("Close", other)),
+        }
     }
 }

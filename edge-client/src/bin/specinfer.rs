@@ -428,6 +428,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 eprintln!("{}", summary(&g));
             }
         }
+        client.shutdown().await;
         Ok(())
     })
 }
@@ -467,6 +468,7 @@ fn chat(args: CommonArgs) -> Result<()> {
                 eprintln!("{}", summary(&g));
             }
         }
+        client.shutdown().await;
         Ok(())
     })
 }
