@@ -42,7 +42,7 @@ pub enum Drafting<'a> {
     None,
     Tree {
         speculator: &'a mut Speculator,
-        draft: &'a mut dyn DraftModel,
+        draft: &'a mut (dyn DraftModel + Send),
     },
 }
 

@@ -4,41 +4,16 @@
 //! own top-k, but often in the wrong order, so rounds accept through later siblings, reject at
 //! every depth, and exercise KV compaction of non-trivial paths.
 
-use std::path::PathBuf;
-
-use rand::{Rng, SeedableRng};
-use specinfer_edge::{CandleDraft, DraftMode, DraftModel, Speculator};
-use specinfer_model::{fetch, load_gguf, ChatMessage, ModelError};
+use specinfer_edge::{DraftMode, Speculator};
+use specinfer_integration::{smollm2, NoisyDraft};
+use specinfer_model::{ChatMessage, Llama};
 use specinfer_verifier::Session;
 use specinfer_wire::{Limits, SamplingParams, TokenTree};
 
-struct Noisy<'m> {
-    inner: CandleDraft<'m>,
-    rng: rand_chacha::ChaCha8Rng,
-}
-
-impl DraftModel for Noisy<'_> {
-    fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
-        self.inner.sync(committed)
-    }
-
-    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
-        let mut l = self.inner.extend(tree, first)?;
-        for row in &mut l {
-            row.iter_mut()
-                .for_each(|x| *x += self.rng.random_range(0.0..2.5f32));
-        }
-        Ok(l)
-    }
-}
-
 #[test]
 fn speculative_greedy_equals_incremental_greedy_on_smollm2() {
-    let cache = std::env::var_os("SPECINFER_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/specinfer"));
-    let path = fetch::ensure(&fetch::SMOLLM2_135M, &cache).unwrap();
-    let (llm, tok) = load_gguf(&path).unwrap();
+    let (llm, tok) = smollm2();
+    let llm: &Llama = llm;
     let limits = Limits::default();
     let prompts = [
         "What is the capital of France?",
@@ -63,10 +38,7 @@ fn speculative_greedy_equals_incremental_greedy_on_smollm2() {
 
         let mut spec = Session::open(&llm, &ids, params, &limits).unwrap();
         let mut speculator = Speculator::new(vec![2, 2, 1, 1], DraftMode::Greedy, i as u64);
-        let mut draft = Noisy {
-            inner: CandleDraft::new(&llm),
-            rng: rand_chacha::ChaCha8Rng::seed_from_u64(i as u64),
-        };
+        let mut draft = NoisyDraft::new(llm, i as u64, 2.5);
         while spec.finish().is_none() {
             let tree = speculator.draft(&mut draft, spec.tokens()).unwrap();
             let out = spec.verify(&llm, &limits, &tree).unwrap();

@@ -1,0 +1,98 @@
+//! Shared fixtures for the integration tests: the real default LLM, a verifier on loopback, and a
+//! stand-in drafter.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use specinfer_edge::{CandleDraft, DraftModel, RemoteConfig};
+use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, ModelError, Tokenizer};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::net::{ServerIdentity, Trust};
+use specinfer_verifier::service::{self, RunningVerifier, ServiceConfig};
+use specinfer_wire::TokenTree;
+
+pub const API_KEY: &str = "test-key";
+
+/// SmolLM2-135M-Instruct, fetched once into the cache and loaded once per test binary.
+pub fn smollm2() -> &'static (Arc<Llama>, Tokenizer) {
+    static MODEL: OnceLock<(Arc<Llama>, Tokenizer)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let cache = std::env::var_os("SPECINFER_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/specinfer")
+            });
+        let path = fetch::ensure(&fetch::SMOLLM2_135M, &cache).expect("fetching SmolLM2");
+        let (m, t) = load_gguf(&path).expect("loading SmolLM2");
+        (Arc::new(m), t)
+    })
+}
+
+pub fn chat_ids(prompt: &str) -> Vec<u32> {
+    let (_, tok) = smollm2();
+    tok.encode(&tok.chat_prompt(&[ChatMessage::new("user", prompt)]))
+        .unwrap()
+}
+
+/// A verifier on 127.0.0.1 with a fresh pinned certificate; returns it and a client config.
+pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
+    let (model, tok) = smollm2();
+    let identity = ServerIdentity::self_signed(&["localhost"]).unwrap();
+    let cfg = ServiceConfig {
+        engine,
+        api_keys: Some([API_KEY.to_string()].into()),
+        model_name: "SmolLM2-135M-Instruct".into(),
+        fingerprint: tok.fingerprint(),
+        hello_timeout: Duration::from_secs(5),
+    };
+    let server = service::start(
+        model.clone(),
+        &identity,
+        "127.0.0.1:0".parse().unwrap(),
+        cfg,
+    )
+    .unwrap();
+    let remote = RemoteConfig {
+        addr: server.local_addr(),
+        server_name: "localhost".into(),
+        trust: Trust::pinned_hex(&identity.fingerprint()).unwrap(),
+        api_key: Some(API_KEY.into()),
+        expected_model: tok.fingerprint(),
+    };
+    (server, remote)
+}
+
+/// The LLM itself with seeded noise on its logits: it proposes the LLM's own top-k, often in the
+/// wrong order, so rounds accept through later siblings and reject at every depth.
+pub struct NoisyDraft<'m> {
+    inner: CandleDraft<'m>,
+    rng: rand_chacha::ChaCha8Rng,
+    noise: f32,
+}
+
+impl<'m> NoisyDraft<'m> {
+    pub fn new(model: &'m Llama, seed: u64, noise: f32) -> Self {
+        NoisyDraft {
+            inner: CandleDraft::new(model),
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+            noise,
+        }
+    }
+}
+
+impl DraftModel for NoisyDraft<'_> {
+    fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
+        self.inner.sync(committed)
+    }
+
+    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        let mut l = self.inner.extend(tree, first)?;
+        for row in &mut l {
+            row.iter_mut()
+                .for_each(|x| *x += self.rng.random_range(0.0..self.noise));
+        }
+        Ok(l)
+    }
+}

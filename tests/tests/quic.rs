@@ -1,0 +1,478 @@
+//! End to end over loopback QUIC with SmolLM2: lossless greedy output for every tree shape,
+//! reproducible seeded sampling, continuous batching of concurrent sessions, and faults that
+//! must not disturb a healthy session.
+
+use std::time::Duration;
+
+use specinfer_edge::{Client, DraftMode, Drafting, Generation, RemoteConfig, Speculator};
+use specinfer_integration::{chat_ids, smollm2, start_verifier, NoisyDraft, API_KEY};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::net::{client_config, read_frame, write_frame};
+use specinfer_wire::*;
+
+async fn generate(
+    remote: &RemoteConfig,
+    prompt: &[u32],
+    params: SamplingParams,
+    tree: Option<(Vec<usize>, DraftMode, u64)>,
+) -> Generation {
+    let (llm, _) = smollm2();
+    let mut client = Client::connect(remote.clone()).await.unwrap();
+    let g = match tree {
+        None => client
+            .generate(prompt, params, Drafting::None, |_| {})
+            .await
+            .unwrap(),
+        Some((expansion, mode, seed)) => {
+            let mut speculator = Speculator::new(expansion, mode, seed);
+            let mut draft = NoisyDraft::new(llm, seed, 2.0);
+            client
+                .generate(
+                    prompt,
+                    params,
+                    Drafting::Tree {
+                        speculator: &mut speculator,
+                        draft: &mut draft,
+                    },
+                    |_| {},
+                )
+                .await
+                .unwrap()
+        }
+    };
+    client.shutdown().await;
+    g
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_output_over_quic_equals_incremental_for_every_tree_shape() {
+    let (server, remote) = start_verifier(EngineConfig::default());
+    for prompt in [
+        "What is the capital of France?",
+        "Write a haiku about rain.",
+    ] {
+        let ids = chat_ids(prompt);
+        let params = SamplingParams::greedy(40);
+        let reference = generate(&remote, &ids, params.clone(), None).await;
+        assert_eq!(reference.token_ids.len(), 40);
+        assert_eq!(
+            reference.rounds, 40,
+            "incremental decoding emits one token per round"
+        );
+        for expansion in [
+            vec![1, 1, 1, 1],
+            vec![2, 2, 1],
+            vec![1, 1, 3, 1, 1, 1, 1, 1],
+        ] {
+            let g = generate(
+                &remote,
+                &ids,
+                params.clone(),
+                Some((expansion.clone(), DraftMode::Greedy, 3)),
+            )
+            .await;
+            assert_eq!(
+                g.token_ids, reference.token_ids,
+                "tree {expansion:?} changed the output of {prompt:?}"
+            );
+            assert!(g.rounds < 40, "tree {expansion:?} never accepted a draft");
+            println!(
+                "{prompt:?} tree {expansion:?}: {} rounds, tau {:.2}, {} B up, {} B down",
+                g.rounds,
+                40.0 / g.rounds as f64,
+                g.bytes_up,
+                g.bytes_down
+            );
+        }
+    }
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_over_quic_is_reproducible() {
+    let (server, remote) = start_verifier(EngineConfig::default());
+    let ids = chat_ids("Tell me a short story about a fox.");
+    let params = |seed| SamplingParams {
+        mode: VerifyMode::Stochastic,
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 0,
+        seed,
+        max_new_tokens: 32,
+        stop_ids: Vec::new(),
+    };
+    let mode = DraftMode::Sample {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 8,
+        draw: DrawMode::Iid,
+    };
+    let a = generate(&remote, &ids, params(7), Some((vec![2, 2, 1], mode, 11))).await;
+    let b = generate(&remote, &ids, params(7), Some((vec![2, 2, 1], mode, 11))).await;
+    let c = generate(&remote, &ids, params(8), Some((vec![2, 2, 1], mode, 12))).await;
+    assert_eq!(a.token_ids, b.token_ids, "same seeds, different output");
+    assert_ne!(
+        a.token_ids, c.token_ids,
+        "different seeds gave the same 32 sampled tokens"
+    );
+    println!("sampled: tau {:.2}", 32.0 / a.rounds as f64);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_concurrent_sessions_each_equal_their_solo_run() {
+    let (server, remote) = start_verifier(EngineConfig::default());
+    let prompts = [
+        "Name a fruit.",
+        "Name a colour.",
+        "Say hello.",
+        "Count to three.",
+        "Name a planet.",
+        "Name a river.",
+        "What is 2+2?",
+        "Name a metal.",
+        "Name a bird.",
+        "Say goodbye.",
+        "Name a tree.",
+        "Name a city.",
+        "Name a sport.",
+        "Name a tool.",
+        "Name a dance.",
+        "Name a gem.",
+    ];
+    let params = |i: usize| {
+        if i % 2 == 0 {
+            SamplingParams::greedy(12)
+        } else {
+            SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: i as u64,
+                max_new_tokens: 12,
+                stop_ids: Vec::new(),
+            }
+        }
+    };
+    let mut solo = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        solo.push(
+            generate(&remote, &chat_ids(p), params(i), None)
+                .await
+                .token_ids,
+        );
+    }
+    let batches_before = server.metrics().batch_size.count_above(1.0);
+    let tasks: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let remote = remote.clone();
+            let ids = chat_ids(p);
+            tokio::spawn(async move { generate(&remote, &ids, params(i), None).await.token_ids })
+        })
+        .collect();
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(
+            t.await.unwrap(),
+            solo[i],
+            "session {i} differs when batched with others"
+        );
+    }
+    let shared = server.metrics().batch_size.count_above(1.0) - batches_before;
+    println!("{shared} forwards carried more than one session");
+    assert!(
+        shared > 0,
+        "concurrent sessions were never batched together"
+    );
+    server.shutdown().await;
+}
+
+/// A raw connection that has said hello with the given key and fingerprint.
+async fn raw_connect(
+    remote: &RemoteConfig,
+    api_key: &str,
+    fingerprint: ModelFingerprint,
+) -> (quinn::Endpoint, quinn::Connection, Message) {
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(client_config(&remote.trust).unwrap());
+    let conn = endpoint
+        .connect(remote.addr, "localhost")
+        .unwrap()
+        .await
+        .unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = ClientHello {
+        protocol_version: PROTOCOL_VERSION,
+        expected_model: fingerprint,
+        api_key: Some(api_key.into()),
+    };
+    write_frame(&mut send, &Message::ClientHello(hello))
+        .await
+        .unwrap();
+    let (reply, _) = read_frame(&mut recv, &Limits::default())
+        .await
+        .unwrap()
+        .unwrap();
+    (endpoint, conn, reply)
+}
+
+async fn exchange(conn: &quinn::Connection, bytes: &[u8]) -> Message {
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    send.write_all(bytes).await.unwrap();
+    let (reply, _) = tokio::time::timeout(
+        Duration::from_secs(30),
+        read_frame(&mut recv, &Limits::default()),
+    )
+    .await
+    .expect("the verifier must answer, not stall")
+    .unwrap()
+    .expect("an error frame, not silence");
+    reply
+}
+
+fn code(m: &Message) -> ErrorCode {
+    match m {
+        Message::Error(e) => e.code,
+        other => panic!("expected an error frame, got {other:?}"),
+    }
+}
+
+fn open_frame(session: u64, prompt: Vec<u32>) -> Vec<u8> {
+    encode_frame(&Message::OpenSession(OpenSession {
+        session,
+        prompt,
+        params: SamplingParams::greedy(8),
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
+    let engine = EngineConfig {
+        max_sessions: 4,
+        detach_grace: Duration::from_secs(1),
+        ..EngineConfig::default()
+    };
+    let (server, remote) = start_verifier(engine);
+    let (_, tok) = smollm2();
+    let healthy_ids = chat_ids("Name three animals.");
+    let reference = generate(&remote, &healthy_ids, SamplingParams::greedy(48), None)
+        .await
+        .token_ids;
+    let healthy = {
+        let remote = remote.clone();
+        let ids = healthy_ids.clone();
+        tokio::spawn(async move {
+            generate(&remote, &ids, SamplingParams::greedy(48), None)
+                .await
+                .token_ids
+        })
+    };
+
+    let (_ep, conn, hello) = raw_connect(&remote, API_KEY, tok.fingerprint()).await;
+    assert!(matches!(hello, Message::ServerHello(_)), "{hello:?}");
+
+    // Random bytes in a frame of plausible size.
+    let mut junk = 40u32.to_le_bytes().to_vec();
+    junk.extend((0..40u8).map(|i| i.wrapping_mul(97).wrapping_add(13)));
+    assert_eq!(code(&exchange(&conn, &junk).await), ErrorCode::BadFrame);
+    // A length prefix far over the limit: refused before any allocation.
+    assert_eq!(
+        code(&exchange(&conn, &u32::MAX.to_le_bytes()).await),
+        ErrorCode::BadFrame
+    );
+    // A tree over the node limit.
+    let big = TokenTree::chain(&vec![5u32; 300]);
+    let frame = encode_frame(&Message::Verify(Verify {
+        session: 1,
+        round: 0,
+        tree: big,
+    }));
+    assert_eq!(code(&exchange(&conn, &frame).await), ErrorCode::BadFrame);
+    // A proposal that does not sum to 1 (built past the constructor's checks).
+    let tree: TokenTree = serde_json::from_value(serde_json::json!({
+        "tokens": [3, 4], "parents": [0],
+        "proposals": {"mode": "Iid", "dists": [{"node": 0, "ids": [4, 5], "probs": [0.5, 0.9]}], "drawn_from": [0]}
+    }))
+    .unwrap();
+    let frame = encode_frame(&Message::Verify(Verify {
+        session: 1,
+        round: 0,
+        tree,
+    }));
+    let reply = exchange(&conn, &frame).await;
+    assert_eq!(code(&reply), ErrorCode::BadFrame);
+    assert!(format!("{reply:?}").contains("sum"), "{reply:?}");
+    // A token id outside the vocabulary, on an open session.
+    {
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        send.write_all(&open_frame(9, vec![1, 2, 3])).await.unwrap();
+        let (opened, _) = read_frame(&mut recv, &Limits::default())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(matches!(opened, Message::SessionOpened(_)), "{opened:?}");
+        let tree = TokenTree::new(vec![3, 60_000], vec![0]).unwrap();
+        write_frame(
+            &mut send,
+            &Message::Verify(Verify {
+                session: 9,
+                round: 0,
+                tree,
+            }),
+        )
+        .await
+        .unwrap();
+        let (reply, _) = read_frame(&mut recv, &Limits::default())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(code(&reply), ErrorCode::BadFrame);
+        assert!(format!("{reply:?}").contains("vocabulary"), "{reply:?}");
+    }
+    // Wrong API key, mismatched tokenizer.
+    let (_e1, _c1, refused) = raw_connect(&remote, "not-a-key", tok.fingerprint()).await;
+    assert_eq!(code(&refused), ErrorCode::Unauthorized);
+    let mut other = tok.fingerprint();
+    other.tokenizer_sha256[0] ^= 1;
+    let (_e2, _c2, refused) = raw_connect(&remote, API_KEY, other).await;
+    assert_eq!(code(&refused), ErrorCode::ModelMismatch);
+    assert!(
+        format!("{refused:?}").contains("verifier's model is"),
+        "{refused:?}"
+    );
+
+    // A client that vanishes mid-round: its sessions are released after the grace period.
+    {
+        let (_ep, conn2, _) = raw_connect(&remote, API_KEY, tok.fingerprint()).await;
+        let (mut send, mut recv) = conn2.open_bi().await.unwrap();
+        send.write_all(&open_frame(1, vec![1, 2, 3])).await.unwrap();
+        let (opened, _) = read_frame(&mut recv, &Limits::default())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(matches!(opened, Message::SessionOpened(_)), "{opened:?}");
+        let tree = TokenTree::new(vec![3, 4, 5], vec![0, 1]).unwrap();
+        send.write_all(&encode_frame(&Message::Verify(Verify {
+            session: 1,
+            round: 0,
+            tree,
+        })))
+        .await
+        .unwrap();
+        conn2.close(0u32.into(), b"vanish");
+    }
+    // More sessions than allowed (4, one of them the healthy session): the extra one is told to retry.
+    let mut held = Vec::new();
+    let mut busy = None;
+    for s in 0..5u64 {
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        send.write_all(&open_frame(100 + s, vec![1, 2, 3]))
+            .await
+            .unwrap();
+        let (reply, _) = read_frame(&mut recv, &Limits::default())
+            .await
+            .unwrap()
+            .unwrap();
+        match reply {
+            Message::SessionOpened(_) => held.push((send, recv)),
+            Message::Error(e) => {
+                busy = Some(e);
+                break;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let busy = busy.expect("the session limit was never reached");
+    assert_eq!(busy.code, ErrorCode::Busy);
+    assert!(busy.retry_after_ms.is_some());
+
+    drop(held);
+    assert_eq!(
+        healthy.await.unwrap(),
+        reference,
+        "the healthy session's output changed"
+    );
+    conn.close(0u32.into(), b"done");
+    let metrics = server.metrics().clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while metrics
+        .sessions_active
+        .load(std::sync::atomic::Ordering::Relaxed)
+        > 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sessions of vanished clients were never released"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metrics.errors(ErrorCode::BadFrame) >= 5);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_survives_a_dropped_connection_and_resumes() {
+    let (server, remote) = start_verifier(EngineConfig::default());
+    let ids = chat_ids("Name two oceans.");
+    let reference = generate(&remote, &ids, SamplingParams::greedy(12), None)
+        .await
+        .token_ids;
+
+    let first = specinfer_edge::Remote::connect(&remote).await.unwrap();
+    let mut s = first
+        .open(5, ids.clone(), SamplingParams::greedy(12))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    for _ in 0..4 {
+        let root = *out.last().unwrap_or(ids.last().unwrap());
+        out.extend(s.verify(TokenTree::root(root)).await.unwrap().tokens);
+    }
+    let token = s.resume_token();
+    drop(s);
+    drop(first); // the connection goes away without a Close
+
+    let second = specinfer_edge::Remote::connect(&remote).await.unwrap();
+    // The verifier notices the lost connection asynchronously; until then the session is still
+    // attached and cannot be taken over.
+    let mut tries = 0;
+    let (mut s, committed) = loop {
+        match second.resume(5, token).await {
+            Ok(r) => break r,
+            Err(e) if e.code() == Some(ErrorCode::UnknownSession) && tries < 50 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("resume failed: {e}"),
+        }
+    };
+    assert_eq!(committed[..ids.len()], ids[..]);
+    assert_eq!(
+        committed[ids.len()..],
+        out[..],
+        "the verifier kept exactly the committed tokens"
+    );
+    loop {
+        let v = s
+            .verify(TokenTree::root(*out.last().unwrap()))
+            .await
+            .unwrap();
+        out.extend(v.tokens);
+        if v.finish.is_some() {
+            break;
+        }
+    }
+    assert_eq!(out, reference, "resuming changed the output");
+    // A wrong token resumes nothing.
+    let err = second
+        .resume(6, [7; 16])
+        .await
+        .err()
+        .expect("an unknown token must be refused");
+    assert_eq!(err.code(), Some(ErrorCode::UnknownSession));
+    s.close().await.unwrap();
+    second.shutdown().await;
+    server.shutdown().await;
+}
