@@ -36,7 +36,13 @@ impl Histogram {
         s.2 += 1;
     }
 
-    /// Largest observed bucket bound that saw any value (for tests: "batches larger than 1").
+    /// Observations so far and their mean.
+    pub fn count_mean(&self) -> (u64, f64) {
+        let s = self.state.lock().expect("metrics lock");
+        (s.2, if s.2 == 0 { 0.0 } else { s.1 / s.2 as f64 })
+    }
+
+    /// Observations above `v`, which must be one of the bucket bounds.
     pub fn count_above(&self, v: f64) -> u64 {
         let s = self.state.lock().expect("metrics lock");
         let at_or_below = self
