@@ -2,6 +2,8 @@
 //! ancestors among the new nodes, read straight from the KV cache with the ancestor bitsets. No
 //! N x N mask is materialised and no K/V is copied.
 
+use rayon::prelude::*;
+
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -22,8 +24,8 @@ pub struct AttentionShape {
 ///   `j` (its ancestors and itself).
 /// * `out`: `[n, n_heads, head_dim]`.
 ///
-/// Every node visits its visible positions in the same order (prefix, then ancestors by index,
-/// i.e. by depth) whatever the tree or batch around it, with an online softmax. A node therefore
+/// Every (node, head) visits its visible positions in the same order (prefix, then ancestors by
+/// index, i.e. by depth) whatever the tree or batch around it, with a two-pass softmax. A node therefore
 /// gets bit-identical output whether it is decoded alone after its path was committed or inside a
 /// tree: the property that makes speculative output equal incremental output exactly.
 #[allow(clippy::too_many_arguments)]
@@ -49,7 +51,7 @@ pub fn tree_attention(
     assert_eq!(q.len(), n * row, "q is not [n, heads, head_dim]");
     assert_eq!(out.len(), q.len());
     assert!(
-        k.len() >= (past + n) * kv_row && v.len() >= (past + n) * kv_row,
+        k.len() >= (past + first + n) * kv_row && v.len() >= (past + first + n) * kv_row,
         "cache too short"
     );
     assert!(
@@ -63,41 +65,43 @@ pub fn tree_attention(
     );
     let group = n_heads / n_kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut acc = vec![0f32; head_dim];
-
-    for i in 0..n {
-        let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
-        let visible = (0..past).chain(
+    // The tree positions each node sees (the committed prefix is seen by all).
+    let tree_visible: Vec<Vec<usize>> = (0..n)
+        .map(|i| {
+            let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
             (0..=first + i)
                 .filter(|&j| bits[j / 64] >> (j % 64) & 1 == 1)
-                .map(|j| past + j),
-        );
-        let visible: Vec<usize> = visible.collect();
-        for h in 0..n_heads {
+                .map(|j| past + j)
+                .collect()
+        })
+        .collect();
+    // One task per (node, head): enough parallelism for a single decoded token too.
+    out.par_chunks_mut(head_dim)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (task, o)| {
+            let (i, h) = (task / n_heads, task % n_heads);
             let kvh = h / group;
             let qh = &q[i * row + h * head_dim..i * row + (h + 1) * head_dim];
-            let mut max = f32::NEG_INFINITY;
-            let mut denom = 0f32;
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for &pos in &visible {
+            let positions = || (0..past).chain(tree_visible[i].iter().copied());
+            scores.clear();
+            scores.extend(positions().map(|pos| {
                 let off = pos * kv_row + kvh * head_dim;
-                let s = dot(qh, &k[off..off + head_dim]) * scale;
-                if s > max {
-                    let c = (max - s).exp();
-                    denom *= c;
-                    acc.iter_mut().for_each(|a| *a *= c);
-                    max = s;
-                }
+                dot(qh, &k[off..off + head_dim]) * scale
+            }));
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut denom = 0f32;
+            o.iter_mut().for_each(|x| *x = 0.0);
+            for (pos, s) in positions().zip(scores.iter()) {
                 let w = (s - max).exp();
                 denom += w;
-                acc.iter_mut()
+                let off = pos * kv_row + kvh * head_dim;
+                o.iter_mut()
                     .zip(&v[off..off + head_dim])
                     .for_each(|(a, &x)| *a += w * x);
             }
-            let o = &mut out[i * row + h * head_dim..i * row + (h + 1) * head_dim];
-            o.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a / denom);
-        }
-    }
+            let inv = 1.0 / denom;
+            o.iter_mut().for_each(|x| *x *= inv);
+        });
 }
 
 #[inline]

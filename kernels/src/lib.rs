@@ -4,6 +4,8 @@
 //! depends on a tensor framework, so it also builds for wasm32.
 
 mod attention;
+pub mod quant;
 pub mod sampling;
 
 pub use attention::{tree_attention, AttentionShape};
+pub use quant::{QuantFormat, QuantMatrix};

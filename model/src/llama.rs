@@ -1,23 +1,65 @@
 //! The transformer and its tree-masked forward pass.
 
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use specinfer_kernels::{tree_attention, AttentionShape};
+use specinfer_kernels::{tree_attention, AttentionShape, QuantFormat, QuantMatrix};
 use specinfer_wire::TokenTree;
 
 use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
 
-/// A projection `y = x W^T (+ b)`, quantized or not.
+/// A weight matrix `[out, in]`: our small-batch kernel for the block formats it handles
+/// (weights read once per forward whatever the node count, batch invariant), candle for the rest.
+pub(crate) enum Weight {
+    Quant(QuantMatrix),
+    Candle(QMatMul),
+}
+
+impl Weight {
+    /// Chooses the kernel for a GGML tensor. `SPECINFER_MATMUL=candle` forces candle's kernels
+    /// (for before/after measurements).
+    pub(crate) fn from_qtensor(t: QTensor) -> Result<Weight> {
+        let format = match t.dtype() {
+            GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
+            GgmlDType::Q4_1 => Some(QuantFormat::Q4_1),
+            GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+            _ => None,
+        };
+        let candle_forced = std::env::var("SPECINFER_MATMUL").is_ok_and(|v| v == "candle");
+        match (format, t.shape().dims()) {
+            (Some(f), &[rows, cols]) if !candle_forced => {
+                let m = QuantMatrix::from_ggml(f, rows, cols, &t.data()?).map_err(|e| {
+                    ModelError::Format {
+                        path: "<weights>".into(),
+                        message: e.to_string(),
+                    }
+                })?;
+                Ok(Weight::Quant(m))
+            }
+            _ => Ok(Weight::Candle(QMatMul::from_qtensor(t)?)),
+        }
+    }
+}
+
+/// A projection `y = x W^T (+ b)`.
 pub(crate) struct Linear {
-    pub(crate) w: QMatMul,
+    pub(crate) w: Weight,
     pub(crate) b: Option<Vec<f32>>,
 }
 
 impl Linear {
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
     fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        let xt = Tensor::from_slice(x, (rows, x.len() / rows), &Device::Cpu)?;
-        let mut y = self.w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut y = match &self.w {
+            Weight::Quant(m) => {
+                let mut y = vec![0f32; rows * m.rows()];
+                m.matmul(x, rows, &mut y);
+                y
+            }
+            Weight::Candle(w) => {
+                let xt = Tensor::from_slice(x, (rows, x.len() / rows), &Device::Cpu)?;
+                w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
         if let Some(b) = &self.b {
             for row in y.chunks_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
@@ -232,9 +274,11 @@ fn rope_tables(cfg: &ModelConfig, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let half = cfg.head_dim / 2;
     let mut cos = Vec::with_capacity(positions.len() * half);
     let mut sin = Vec::with_capacity(positions.len() * half);
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| (cfg.rope_theta as f64).powf(-((2 * i) as f64) / cfg.head_dim as f64))
+        .collect();
     for &p in positions {
-        for i in 0..half {
-            let freq = (cfg.rope_theta as f64).powf(-((2 * i) as f64) / cfg.head_dim as f64);
+        for &freq in &freqs {
             let a = p as f64 * freq;
             cos.push(a.cos() as f32);
             sin.push(a.sin() as f32);

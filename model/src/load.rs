@@ -10,7 +10,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 
-use crate::llama::{Layer, Linear};
+use crate::llama::{Layer, Linear, Weight};
 use crate::{Arch, Llama, ModelConfig, ModelError, Result, RopeStyle};
 
 /// An opened GGUF file: header parsed, tensors read on demand.
@@ -171,7 +171,7 @@ impl Llama {
             g.linear("output", false)?
         } else {
             Linear {
-                w: QMatMul::from_qtensor(embed_q)?,
+                w: Weight::from_qtensor(embed_q)?,
                 b: None,
             }
         };
@@ -247,7 +247,7 @@ impl Llama {
         let embed = embed_t.flatten_all()?.to_vec1::<f32>()?;
         let lm_head = if tie {
             Linear {
-                w: QMatMul::Tensor(embed_t),
+                w: Weight::Candle(QMatMul::Tensor(embed_t)),
                 b: None,
             }
         } else {
@@ -342,7 +342,7 @@ impl Llama {
 /// Where a layer's tensors come from; GGUF and Hugging Face checkpoints differ only in names.
 trait WeightSource {
     /// A weight matrix `[out, in]`, quantized or not.
-    fn matrix(&mut self, name: &str) -> Result<QMatMul>;
+    fn matrix(&mut self, name: &str) -> Result<Weight>;
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
 
     /// `name.weight`, plus `name.bias` when `bias`.
@@ -358,8 +358,8 @@ trait WeightSource {
 }
 
 impl WeightSource for Gguf {
-    fn matrix(&mut self, name: &str) -> Result<QMatMul> {
-        Ok(QMatMul::from_qtensor(self.qtensor(name)?)?)
+    fn matrix(&mut self, name: &str) -> Result<Weight> {
+        Weight::from_qtensor(self.qtensor(name)?)
     }
 
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
@@ -372,12 +372,12 @@ impl WeightSource for Gguf {
 }
 
 impl WeightSource for Weights {
-    fn matrix(&mut self, name: &str) -> Result<QMatMul> {
+    fn matrix(&mut self, name: &str) -> Result<Weight> {
         let t = self.take(name)?;
-        Ok(match self.quantize {
-            Some(dtype) => QMatMul::from_qtensor(QTensor::quantize(&t, dtype)?)?,
-            None => QMatMul::Tensor(t),
-        })
+        match self.quantize {
+            Some(dtype) => Weight::from_qtensor(QTensor::quantize(&t, dtype)?),
+            None => Ok(Weight::Candle(QMatMul::Tensor(t))),
+        }
     }
 
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
