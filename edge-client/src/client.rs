@@ -40,9 +40,10 @@ pub struct Generation {
 pub enum Drafting<'a> {
     /// Root-only trees: plain incremental decoding through the same path (the baseline).
     None,
+    /// Trees drafted by one model, or by several and merged.
     Tree {
         speculator: &'a mut Speculator,
-        draft: &'a mut (dyn DraftModel + Send),
+        drafts: Vec<&'a mut (dyn DraftModel + Send)>,
     },
 }
 
@@ -98,8 +99,11 @@ impl Client {
         loop {
             let tree = match &mut drafting {
                 Drafting::None => TokenTree::root(*committed.last().expect("never empty")),
-                Drafting::Tree { speculator, draft } => {
-                    speculator.draft(&mut **draft, &committed)?
+                Drafting::Tree { speculator, drafts } if drafts.len() == 1 => {
+                    speculator.draft(&mut *drafts[0], &committed)?
+                }
+                Drafting::Tree { speculator, drafts } => {
+                    speculator.draft_merged(drafts, &committed)?
                 }
             };
             match session.verify(tree).await {

@@ -11,4 +11,4 @@ pub use client::{Client, ClientError, Drafting, Generation};
 pub use draft::{CandleDraft, DraftModel};
 pub use embedded::EmbeddedVerifier;
 pub use remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-pub use speculator::{DraftMode, Speculator};
+pub use speculator::{merge_trees, DraftMode, Speculator, TreeShape};

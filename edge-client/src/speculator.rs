@@ -24,10 +24,41 @@ pub enum DraftMode {
     },
 }
 
-/// Expansion-based trees (SpecInfer): level `d` gives every node of level `d - 1` `expansion[d]`
-/// children. `<1,1,3,1,1,1,1,1>` is the paper's default.
+/// The shape of the trees a speculator grows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TreeShape {
+    /// SpecInfer's expansion trees: level `d` gives every node of level `d - 1` `k_d` children.
+    /// `<1,1,3,1,1,1,1,1>` is the paper's default.
+    Expansion(Vec<usize>),
+    /// Beyond the paper: grow, wave by wave, the candidates with the highest path probability
+    /// under the draft model until `budget` nodes (root excluded) are placed. Greedy mode only.
+    Dynamic { budget: usize },
+}
+
+impl std::str::FromStr for TreeShape {
+    type Err = String;
+
+    /// `1,1,3,1` or `dynamic:N`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(n) = s.strip_prefix("dynamic:") {
+            let budget = n
+                .parse()
+                .map_err(|_| format!("{s:?}: dynamic:N needs a node count"))?;
+            return Ok(TreeShape::Dynamic { budget });
+        }
+        s.split(',')
+            .map(|k| {
+                k.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("{s:?}: expected numbers like 1,1,3,1 or dynamic:N"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(TreeShape::Expansion)
+    }
+}
+
 pub struct Speculator {
-    pub expansion: Vec<usize>,
+    pub shape: TreeShape,
     pub mode: DraftMode,
     rng: ChaCha8Rng,
 }
@@ -35,9 +66,14 @@ pub struct Speculator {
 impl Speculator {
     pub const PAPER_EXPANSION: [usize; 8] = [1, 1, 3, 1, 1, 1, 1, 1];
 
+    /// An expansion-tree speculator (see [`TreeShape::Expansion`]).
     pub fn new(expansion: Vec<usize>, mode: DraftMode, seed: u64) -> Self {
+        Self::with_shape(TreeShape::Expansion(expansion), mode, seed)
+    }
+
+    pub fn with_shape(shape: TreeShape, mode: DraftMode, seed: u64) -> Self {
         Speculator {
-            expansion,
+            shape,
             mode,
             rng: ChaCha8Rng::seed_from_u64(seed),
         }
@@ -50,12 +86,44 @@ impl Speculator {
         committed: &[u32],
     ) -> Result<TokenTree, ModelError> {
         model.sync(committed)?;
+        match self.shape.clone() {
+            TreeShape::Expansion(expansion) => self.expand(model, committed, &expansion),
+            TreeShape::Dynamic { budget } => {
+                assert_eq!(
+                    self.mode,
+                    DraftMode::Greedy,
+                    "dynamic trees are built in greedy mode only"
+                );
+                dynamic_tree(model, committed, budget)
+            }
+        }
+    }
+
+    /// Drafts with every model and merges their trees (SpecInfer's merge-based speculation).
+    pub fn draft_merged(
+        &mut self,
+        models: &mut [&mut (dyn DraftModel + Send)],
+        committed: &[u32],
+    ) -> Result<TokenTree, ModelError> {
+        let mut trees = Vec::with_capacity(models.len());
+        for m in models.iter_mut() {
+            trees.push(self.draft(&mut **m, committed)?);
+        }
+        Ok(merge_trees(&trees))
+    }
+
+    fn expand(
+        &mut self,
+        model: &mut dyn DraftModel,
+        committed: &[u32],
+        expansion: &[usize],
+    ) -> Result<TokenTree, ModelError> {
         let mut tree =
             TokenTree::root(*committed.last().expect("committed tokens are never empty"));
         let mut dists: Vec<SparseDist> = Vec::new();
         let mut drawn_from = Vec::new();
         let mut scored = 0;
-        for &k in &self.expansion {
+        for &k in expansion {
             if k == 0 {
                 break;
             }
@@ -65,16 +133,7 @@ impl Speculator {
             for (node, l) in frontier.zip(&logits) {
                 match self.mode {
                     DraftMode::Greedy => {
-                        let mut order: Vec<u32> = (0..l.len() as u32).collect();
-                        let k = k.min(order.len());
-                        order.select_nth_unstable_by(k - 1, |&a, &b| {
-                            l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b))
-                        });
-                        order.truncate(k);
-                        order.sort_by(|&a, &b| {
-                            l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b))
-                        });
-                        for t in order {
+                        for t in top_k_tokens(l, k) {
                             tree.push(node as u32, t);
                         }
                     }
@@ -119,4 +178,116 @@ impl Speculator {
         }
         Ok(tree)
     }
+}
+
+/// The `k` highest logits' token ids, best first (ties to the lower id).
+fn top_k_tokens(l: &[f32], k: usize) -> Vec<u32> {
+    let mut order: Vec<u32> = (0..l.len() as u32).collect();
+    let k = k.min(order.len());
+    let cmp = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b));
+    order.select_nth_unstable_by(k - 1, cmp);
+    order.truncate(k);
+    order.sort_by(cmp);
+    order
+}
+
+/// Best-first tree growth: candidates (a scored node's likely next tokens) are ranked by the
+/// draft's log-probability of the whole path; each wave adds the best few and scores them in one
+/// draft forward.
+fn dynamic_tree(
+    model: &mut dyn DraftModel,
+    committed: &[u32],
+    budget: usize,
+) -> Result<TokenTree, ModelError> {
+    const CHILDREN_PER_NODE: usize = 8;
+    let mut tree = TokenTree::root(*committed.last().expect("committed tokens are never empty"));
+    let mut path_logp = vec![0f64];
+    // (path log-prob, parent, token)
+    let mut candidates: Vec<(f64, u32, u32)> = Vec::new();
+    let wave = budget.div_ceil(6).max(1);
+    let mut scored = 0;
+    loop {
+        let logits = model.extend(&tree, scored)?;
+        for (node, l) in (scored..tree.len()).zip(&logits) {
+            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            for t in top_k_tokens(l, CHILDREN_PER_NODE.min(budget)) {
+                candidates.push((path_logp[node] + l[t as usize] as f64 - lse, node as u32, t));
+            }
+        }
+        scored = tree.len();
+        let room = budget - (tree.len() - 1);
+        if room == 0 || candidates.is_empty() {
+            return Ok(tree);
+        }
+        candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+        for _ in 0..wave.min(room) {
+            let Some((logp, parent, token)) = candidates.pop() else {
+                break;
+            };
+            tree.push(parent, token);
+            path_logp.push(logp);
+        }
+    }
+}
+
+/// SpecInfer's token tree merge (Definition 3.2): one tree holding every root-to-leaf path of
+/// each input. Greedy trees share equal prefixes (a path's tokens identify its node). Trees with
+/// proposals stay disjoint under the shared root: every sampled child is one draw from its own
+/// model's proposal, and folding two draws into one node would change the acceptance odds.
+pub fn merge_trees(trees: &[TokenTree]) -> TokenTree {
+    let root = trees
+        .first()
+        .expect("merge needs at least one tree")
+        .token(0);
+    assert!(
+        trees.iter().all(|t| t.token(0) == root),
+        "merged trees must share their root"
+    );
+    let mut merged = TokenTree::root(root);
+    let sampled = trees.iter().any(|t| t.proposals().is_some());
+    if !sampled {
+        let mut index: std::collections::HashMap<(u32, u32), u32> =
+            std::collections::HashMap::new();
+        for t in trees {
+            let mut map = vec![0u32; t.len()];
+            for node in 1..t.len() {
+                let parent = map[t.parent(node).expect("non-root")];
+                let key = (parent, t.token(node));
+                map[node] = *index
+                    .entry(key)
+                    .or_insert_with(|| merged.push(parent, t.token(node)));
+            }
+        }
+        return merged;
+    }
+    let mut dists = Vec::new();
+    let mut drawn_from = Vec::new();
+    let mut mode = None;
+    for t in trees {
+        let p = t
+            .proposals()
+            .expect("sampled trees are merged only with sampled trees");
+        assert!(
+            mode.is_none_or(|m| m == p.mode),
+            "merged trees must use one draw mode"
+        );
+        mode = Some(p.mode);
+        let mut map = vec![0u32; t.len()];
+        for node in 1..t.len() {
+            map[node] = merged.push(map[t.parent(node).expect("non-root")], t.token(node));
+            drawn_from.push(dists.len() as u32 + p.drawn_from[node - 1]);
+        }
+        dists.extend(p.dists.iter().map(|d| SparseDist {
+            node: map[d.node as usize],
+            ..d.clone()
+        }));
+    }
+    merged
+        .with_proposals(Proposals {
+            mode: mode.expect("at least one tree"),
+            dists,
+            drawn_from,
+        })
+        .expect("merging keeps every proposal consistent")
 }

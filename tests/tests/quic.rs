@@ -32,7 +32,7 @@ async fn generate(
                     params,
                     Drafting::Tree {
                         speculator: &mut speculator,
-                        draft: &mut draft,
+                        drafts: vec![&mut draft],
                     },
                     |_| {},
                 )

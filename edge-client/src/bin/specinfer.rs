@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_edge::{
-    CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Generation, RemoteConfig,
-    Speculator,
+    CandleDraft, Client, DraftMode, DraftModel, Drafting, EmbeddedVerifier, Generation,
+    RemoteConfig, Speculator, TreeShape,
 };
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
 use specinfer_verifier::engine::EngineConfig;
@@ -72,10 +72,12 @@ struct CommonArgs {
     #[arg(long)]
     llm: Option<PathBuf>,
     /// Draft model GGUF, or "self" to draft with the LLM itself (the default until a trained SSM
-    /// ships: shows tree acceptance, not speed).
+    /// ships: shows tree acceptance, not speed). Repeat to draft with several models and merge
+    /// their trees.
     #[arg(long, default_value = "self")]
-    ssm: String,
-    /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children), or "none"
+    ssm: Vec<String>,
+    /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
+    /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode), or "none"
     /// for incremental decoding through the same path (the baseline).
     #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
     tree: String,
@@ -171,8 +173,8 @@ fn llm_path(llm: Option<PathBuf>) -> Result<PathBuf> {
 /// Everything a generation needs, set up once per command.
 struct Setup {
     tok: Tokenizer,
-    ssm: Option<Arc<Llama>>,
-    expansion: Option<Vec<usize>>,
+    ssms: Vec<Arc<Llama>>,
+    shape: Option<TreeShape>,
     params: SamplingParams,
     draft_mode: DraftMode,
     remote: RemoteConfig,
@@ -182,17 +184,9 @@ struct Setup {
 }
 
 fn setup(a: &CommonArgs) -> Result<Setup> {
-    let expansion = match a.tree.as_str() {
+    let shape: Option<TreeShape> = match a.tree.as_str() {
         "none" => None,
-        t => Some(
-            t.split(',')
-                .map(|k| {
-                    k.trim().parse::<usize>().with_context(|| {
-                        format!("--tree {t:?}: expected numbers like 1,1,3,1 or none")
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-        ),
+        t => Some(t.parse().map_err(anyhow::Error::msg)?),
     };
     let (mode, draft_mode) = match a.mode.as_str() {
         "greedy" => (VerifyMode::Greedy, DraftMode::Greedy),
@@ -207,10 +201,16 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         ),
         m => bail!("--mode {m:?}: use greedy or sample"),
     };
+    if matches!(shape, Some(TreeShape::Dynamic { .. })) && mode != VerifyMode::Greedy {
+        bail!(
+            "dynamic trees are built in greedy mode only; use an expansion like 1,1,3,1 to sample"
+        );
+    }
     let llm_path = llm_path(a.llm.clone())?;
     let t0 = Instant::now();
     // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
-    let needs_llm = a.server.is_none() || (a.ssm == "self" && expansion.is_some());
+    let self_drafting = shape.is_some() && a.ssm.iter().any(|s| s == "self");
+    let needs_llm = a.server.is_none() || self_drafting;
     let (llm, tok) = if needs_llm {
         let (m, t) =
             load_gguf(&llm_path).with_context(|| format!("loading {}", llm_path.display()))?;
@@ -223,21 +223,20 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     } else {
         (None, Tokenizer::from_gguf(&llm_path)?)
     };
-    let ssm = match (a.ssm.as_str(), &expansion) {
-        (_, None) => None,
-        ("self", Some(_)) => {
+    let mut ssms = Vec::new();
+    for path in a.ssm.iter().filter(|_| shape.is_some()) {
+        if path == "self" {
             eprintln!("specinfer: drafting with the LLM itself (no --ssm given): full acceptance, no speed-up");
-            llm.clone()
+            ssms.push(llm.clone().expect("loaded for self-drafting"));
+            continue;
         }
-        (path, Some(_)) => {
-            let (m, ssm_tok) =
-                load_gguf(Path::new(path)).with_context(|| format!("loading SSM {path}"))?;
-            if ssm_tok.sha256() != tok.sha256() {
-                bail!("the SSM's tokenizer differs from the LLM's: token ids would not agree");
-            }
-            Some(Arc::new(m))
+        let (m, ssm_tok) =
+            load_gguf(Path::new(path)).with_context(|| format!("loading SSM {path}"))?;
+        if ssm_tok.sha256() != tok.sha256() {
+            bail!("the SSM {path} has another tokenizer than the LLM: token ids would not agree");
         }
-    };
+        ssms.push(Arc::new(m));
+    }
     let (remote, embedded) = match &a.server {
         Some(server) => {
             let addr = server
@@ -280,8 +279,8 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     };
     Ok(Setup {
         tok,
-        ssm,
-        expansion,
+        ssms,
+        shape,
         params,
         draft_mode,
         remote,
@@ -326,20 +325,24 @@ impl Setup {
                 }
             }
         };
-        let g = match (&self.expansion, &self.ssm) {
-            (Some(expansion), Some(ssm)) => {
+        let g = match &self.shape {
+            Some(shape) => {
                 let mut speculator =
-                    Speculator::new(expansion.clone(), self.draft_mode, self.seed ^ 0x5eed);
-                let mut draft = CandleDraft::new(ssm);
+                    Speculator::with_shape(shape.clone(), self.draft_mode, self.seed ^ 0x5eed);
+                let mut drafts: Vec<CandleDraft> =
+                    self.ssms.iter().map(|m| CandleDraft::new(m)).collect();
                 let drafting = Drafting::Tree {
                     speculator: &mut speculator,
-                    draft: &mut draft,
+                    drafts: drafts
+                        .iter_mut()
+                        .map(|d| d as &mut (dyn DraftModel + Send))
+                        .collect(),
                 };
                 client
                     .generate(&ids, self.params.clone(), drafting, &mut on_tokens)
                     .await?
             }
-            _ => {
+            None => {
                 client
                     .generate(&ids, self.params.clone(), Drafting::None, &mut on_tokens)
                     .await?
