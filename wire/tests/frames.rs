@@ -142,14 +142,14 @@ fn message_strategy() -> impl Strategy<Value = Message> {
             any::<u64>(),
             any::<u32>(),
             prop::collection::vec(0u32..256, 0..32),
-            any::<u32>()
+            prop::collection::vec(any::<u32>(), 1..33)
         )
             .prop_map(
-                |(session, round, accepted_nodes, next_token)| Message::Verified(Verified {
+                |(session, round, accepted_nodes, tokens)| Message::Verified(Verified {
                     session,
                     round,
                     accepted_nodes,
-                    next_token,
+                    tokens,
                     finish: Some(FinishReason::Stop),
                     stats: RoundStats {
                         tree_nodes: 9,
