@@ -13,7 +13,8 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/specinfer"));
     let path = fetch::ensure(&fetch::SMOLLM2_135M, &cache).expect("fetching SmolLM2");
-    let (model, _) = load_gguf(&path).expect("loading SmolLM2");
+    let (model, tok) = load_gguf(&path).expect("loading SmolLM2");
+    report_reference_error(&path, &model, &tok);
     let reps: usize = std::env::var("BENCH_REPS")
         .ok()
         .and_then(|r| r.parse().ok())
@@ -49,4 +50,54 @@ fn main() {
             println!("| {cached} | {n} | {ms:.1} | {:.2} |", ms / base);
         }
     }
+}
+
+/// The numeric contract's cost: logits of our kernels (8-bit activations) against candle with
+/// every weight dequantized to f32 (f32 activations), on a real prompt.
+fn report_reference_error(
+    path: &std::path::Path,
+    model: &specinfer_model::Llama,
+    tok: &specinfer_model::Tokenizer,
+) {
+    let prompt = tok.encode("<|im_start|>user\nExplain why the sky is blue in two sentences.<|im_end|>\n<|im_start|>assistant\n").unwrap();
+    let logits = move |m: &specinfer_model::Llama, prompt: &[u32]| {
+        let mut kv = KvCache::new(m.config());
+        let tree = TokenTree::chain(prompt);
+        m.forward(&mut [SeqTree::new(&mut kv, &tree)])
+            .unwrap()
+            .remove(0)
+    };
+    let ours = logits(model, &prompt);
+    // candle reads these when its first matmul weight is built, once per thread: use a fresh one.
+    std::env::set_var("SPECINFER_MATMUL", "candle");
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let path = path.to_owned();
+    let p = prompt.clone();
+    let reference = std::thread::spawn(move || logits(&load_gguf(&path).unwrap().0, &p))
+        .join()
+        .unwrap();
+    std::env::remove_var("SPECINFER_MATMUL");
+    let (mut err, mut range, mut argmax_same) = (0f32, 0f32, 0);
+    for i in 0..prompt.len() {
+        let (a, b) = (ours.node(i), reference.node(i));
+        err = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(err, f32::max);
+        range = b.iter().map(|x| x.abs()).fold(range, f32::max);
+        let am = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .max_by(|x, y| x.1.total_cmp(y.1))
+                .unwrap()
+                .0
+        };
+        argmax_same += (am(a) == am(b)) as usize;
+    }
+    println!(
+        "max |logit - f32 reference| over {} positions: {err:.3} (logits span +-{range:.1}); same argmax at {argmax_same}/{} positions",
+        prompt.len(),
+        prompt.len()
+    );
 }
