@@ -88,6 +88,9 @@ pub struct Llama {
     pub(crate) layers: Vec<Layer>,
     pub(crate) final_norm: Vec<f32>,
     pub(crate) lm_head: Linear,
+    /// When the head covers only some tokens (a draft model's restricted support): the token id
+    /// of each head row. Every other token gets logit -inf, i.e. probability exactly 0.
+    pub(crate) head_ids: Option<Vec<u32>>,
 }
 
 /// One sequence's share of a batched forward: its cache and the tree to run on top of it.
@@ -129,6 +132,16 @@ impl Logits {
 impl Llama {
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Rows of the output head: the vocabulary, or a draft model's restricted support.
+    pub fn head_tokens(&self) -> usize {
+        self.head_ids.as_ref().map_or(self.cfg.vocab_size, Vec::len)
+    }
+
+    /// The token embedding table, `[vocab, d_model]` (to initialise draft models from).
+    pub fn token_embeddings(&self) -> &[f32] {
+        &self.embed
     }
 
     /// Runs every sequence's tree in ONE pass: projections and MLPs over all nodes of all trees
@@ -229,7 +242,16 @@ impl Llama {
             x.iter_mut().zip(&down).for_each(|(x, y)| *x += y);
         }
         let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
-        let logits = self.lm_head.forward(&h, rows)?;
+        let mut logits = self.lm_head.forward(&h, rows)?;
+        if let Some(ids) = &self.head_ids {
+            let mut full = vec![f32::NEG_INFINITY; rows * cfg.vocab_size];
+            for (r, row) in logits.chunks(ids.len()).enumerate() {
+                for (&t, &l) in ids.iter().zip(row) {
+                    full[r * cfg.vocab_size + t as usize] = l;
+                }
+            }
+            logits = full;
+        }
 
         let vocab = cfg.vocab_size;
         let mut out = Vec::with_capacity(seqs.len());

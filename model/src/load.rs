@@ -185,6 +185,7 @@ impl Llama {
             layers,
             final_norm,
             lm_head,
+            head_ids: None,
         })
     }
 
@@ -238,7 +239,22 @@ impl Llama {
         };
         let tie =
             hf.tie_word_embeddings.unwrap_or(false) || !w.tensors.contains_key("lm_head.weight");
-        Self::from_named_tensors(cfg, &mut w, tie)
+        let head_ids = match w.tensors.remove("lm_head.token_ids") {
+            Some(t) => {
+                let ids = t.to_dtype(DType::U32)?.to_vec1::<u32>()?;
+                if let Some(&bad) = ids.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                    return Err(ModelError::Format {
+                        path: w.path.clone(),
+                        message: format!("lm_head.token_ids holds {bad}, outside the vocabulary"),
+                    });
+                }
+                Some(ids)
+            }
+            None => None,
+        };
+        let mut model = Self::from_named_tensors(cfg, &mut w, tie)?;
+        model.head_ids = head_ids;
+        Ok(model)
     }
 
     fn from_named_tensors(cfg: ModelConfig, w: &mut Weights, tie: bool) -> Result<Llama> {
@@ -261,6 +277,7 @@ impl Llama {
             layers,
             final_norm,
             lm_head,
+            head_ids: None,
         })
     }
 

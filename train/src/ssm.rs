@@ -1,0 +1,193 @@
+//! The small speculative model as candle tensors with autograd: a Llama (RoPE pairing `i` with
+//! `i + d/2`, no GQA) whose output head covers only the tokens the teacher actually uses. A
+//! restricted head keeps sampling verification lossless (the draft's proposal is simply 0 outside
+//! its support) and keeps the model small.
+//!
+//! Exported in Hugging Face naming plus `lm_head.token_ids`, which `specinfer-model` loads for
+//! inference (the training forward here and the inference forward there are two jobs: this one
+//! needs gradients, that one tree masks and KV caches).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var, D};
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct SsmConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub ffn_dim: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f32,
+    pub max_positions: usize,
+}
+
+pub struct Ssm {
+    pub cfg: SsmConfig,
+    /// Token ids of the head's rows.
+    pub head_ids: Vec<u32>,
+    vars: Vec<(String, Var)>,
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?.broadcast_mul(w)
+}
+
+/// `x @ w^T` for a 3-d `x`.
+fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, l, d) = x.dims3()?;
+    x.reshape((b * l, d))?.matmul(&w.t()?)?.reshape((b, l, ()))
+}
+
+impl Ssm {
+    /// A fresh model: token embeddings from the teacher's, projected down by a fixed random
+    /// map (keeps the teacher's similarity structure), everything else small random.
+    pub fn init(cfg: SsmConfig, head_ids: Vec<u32>, teacher_embed: &[f32], teacher_d: usize, seed: u64) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let dev = Device::Cpu;
+        let d = cfg.d_model;
+        let mut normal = |n: usize, std: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    // Box-Muller.
+                    let (u1, u2): (f32, f32) = (rng.random_range(1e-7..1.0), rng.random());
+                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                })
+                .collect()
+        };
+        let proj = normal(teacher_d * d, 1.0 / (teacher_d as f32).sqrt());
+        let mut embed = vec![0f32; cfg.vocab_size * d];
+        for t in 0..cfg.vocab_size {
+            let src = &teacher_embed[t * teacher_d..(t + 1) * teacher_d];
+            for j in 0..d {
+                embed[t * d + j] = (0..teacher_d).map(|k| src[k] * proj[k * d + j]).sum::<f32>();
+            }
+        }
+        // Scale to unit RMS per row on average, as the RMSNorm downstream expects.
+        let rms = (embed.iter().map(|x| x * x).sum::<f32>() / embed.len() as f32).sqrt();
+        embed.iter_mut().for_each(|x| *x /= rms);
+        let mut vars = Vec::new();
+        let mut add = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
+            vars.push((name, Var::from_tensor(&Tensor::from_vec(data, shape, &dev)?)?));
+            Ok(())
+        };
+        add("model.embed_tokens.weight".into(), embed, &[cfg.vocab_size, d])?;
+        let std = 0.02;
+        for i in 0..cfg.n_layers {
+            let p = format!("model.layers.{i}");
+            add(format!("{p}.input_layernorm.weight"), vec![1.0; d], &[d])?;
+            add(format!("{p}.post_attention_layernorm.weight"), vec![1.0; d], &[d])?;
+            for n in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                add(format!("{p}.self_attn.{n}.weight"), normal(d * d, std), &[d, d])?;
+            }
+            add(format!("{p}.mlp.gate_proj.weight"), normal(cfg.ffn_dim * d, std), &[cfg.ffn_dim, d])?;
+            add(format!("{p}.mlp.up_proj.weight"), normal(cfg.ffn_dim * d, std), &[cfg.ffn_dim, d])?;
+            add(format!("{p}.mlp.down_proj.weight"), normal(d * cfg.ffn_dim, std / (2.0 * cfg.n_layers as f32).sqrt()), &[d, cfg.ffn_dim])?;
+        }
+        add("model.norm.weight".into(), vec![1.0; d], &[d])?;
+        add("lm_head.weight".into(), normal(head_ids.len() * d, std), &[head_ids.len(), d])?;
+        Ok(Ssm { cfg, head_ids, vars })
+    }
+
+    pub fn vars(&self) -> Vec<Var> {
+        self.vars.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    fn get(&self, name: &str) -> &Tensor {
+        self.vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_tensor()).unwrap_or_else(|| panic!("no var {name}"))
+    }
+
+    /// Logits over the head's tokens for `ids` (`[batch, len]`, u32): `[batch, len, head]`.
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, l) = ids.dims2()?;
+        let (d, h) = (cfg.d_model, cfg.n_heads);
+        let hd = d / h;
+        let dev = ids.device();
+        let mut x = self.get("model.embed_tokens.weight").index_select(&ids.flatten_all()?, 0)?.reshape((b, l, d))?;
+        // RoPE tables [l, hd]: cos/sin of position * theta^(-2i/hd), the half repeated twice.
+        let inv: Vec<f32> = (0..hd / 2).map(|i| cfg.rope_theta.powf(-(2.0 * i as f32) / hd as f32)).collect();
+        let ang: Vec<f32> = (0..l).flat_map(|p| inv.iter().map(move |f| p as f32 * f)).collect();
+        let ang = Tensor::from_vec(ang, (l, hd / 2), dev)?;
+        let ang = Tensor::cat(&[&ang, &ang], 1)?;
+        let (cos, sin) = (ang.cos()?, ang.sin()?);
+        let rope = |t: &Tensor| -> candle_core::Result<Tensor> {
+            let x1 = t.narrow(D::Minus1, 0, hd / 2)?;
+            let x2 = t.narrow(D::Minus1, hd / 2, hd / 2)?;
+            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            t.broadcast_mul(&cos)?.add(&rotated.broadcast_mul(&sin)?)
+        };
+        let mask: Vec<f32> = (0..l).flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let mask = Tensor::from_vec(mask, (l, l), dev)?;
+        for i in 0..cfg.n_layers {
+            let p = format!("model.layers.{i}");
+            let hn = rms_norm(&x, self.get(&format!("{p}.input_layernorm.weight")), cfg.rms_eps)?;
+            let split = |w: &str| -> candle_core::Result<Tensor> {
+                linear(&hn, self.get(&format!("{p}.self_attn.{w}.weight")))?.reshape((b, l, h, hd))?.transpose(1, 2)?.contiguous()
+            };
+            let (q, k, v) = (rope(&split("q_proj")?)?, rope(&split("k_proj")?)?, split("v_proj")?);
+            let att = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))?;
+            x = (x + linear(&o, self.get(&format!("{p}.self_attn.o_proj.weight")))?)?;
+            let hn = rms_norm(&x, self.get(&format!("{p}.post_attention_layernorm.weight")), cfg.rms_eps)?;
+            let g = linear(&hn, self.get(&format!("{p}.mlp.gate_proj.weight")))?;
+            let u = linear(&hn, self.get(&format!("{p}.mlp.up_proj.weight")))?;
+            let act = (candle_nn::ops::silu(&g)? * u)?;
+            x = (x + linear(&act, self.get(&format!("{p}.mlp.down_proj.weight")))?)?;
+        }
+        let x = rms_norm(&x, self.get("model.norm.weight"), cfg.rms_eps)?;
+        linear(&x, self.get("lm_head.weight"))
+    }
+
+    /// Writes `model.safetensors` (f16 weights, `lm_head.token_ids`) and `config.json`.
+    pub fn export(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let mut tensors: HashMap<String, Tensor> = HashMap::new();
+        for (name, v) in &self.vars {
+            tensors.insert(name.clone(), v.as_tensor().to_dtype(DType::F16)?);
+        }
+        tensors.insert("lm_head.token_ids".into(), Tensor::new(self.head_ids.as_slice(), &Device::Cpu)?);
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+        let c = &self.cfg;
+        let config = serde_json::json!({
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.d_model,
+            "intermediate_size": c.ffn_dim,
+            "num_hidden_layers": c.n_layers,
+            "num_attention_heads": c.n_heads,
+            "num_key_value_heads": c.n_heads,
+            "rms_norm_eps": c.rms_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_positions,
+            "tie_word_embeddings": false,
+            "specinfer_head_tokens": self.head_ids.len(),
+        });
+        std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+        Ok(())
+    }
+
+    /// Saves / restores the training state (f32 weights) for resumption.
+    pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
+        let t: HashMap<String, Tensor> = self.vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        candle_core::safetensors::save(&t, path)?;
+        Ok(())
+    }
+
+    pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
+        let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+        for (n, v) in &self.vars {
+            if let Some(saved) = t.get(n) {
+                v.set(saved)?;
+            }
+        }
+        Ok(())
+    }
+}

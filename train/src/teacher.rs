@@ -1,0 +1,82 @@
+//! Teacher data: the LLM answers the prompts (greedy, in its chat template), many sequences per
+//! forward pass through the same engine the verifier uses.
+
+use std::io::{BufRead, Write};
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Result;
+use specinfer_kernels::sampling::argmax;
+use specinfer_model::{ChatMessage, KvCache, Llama, SeqTree, Tokenizer};
+use specinfer_wire::TokenTree;
+
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+pub struct Example {
+    pub prompt: Vec<u32>,
+    pub answer: Vec<u32>,
+}
+
+pub fn read_examples(path: &Path) -> Result<Vec<Example>> {
+    let f = std::fs::File::open(path)?;
+    std::io::BufReader::new(f)
+        .lines()
+        .map(|l| Ok(serde_json::from_str(&l?)?))
+        .collect()
+}
+
+/// Appends the teacher's answers for `prompts` to `out` (JSONL), skipping the prompts already
+/// answered there: an interrupted run resumes where it stopped.
+pub fn generate(llm: &Llama, tok: &Tokenizer, prompts: &[String], max_new: usize, batch: usize, out: &Path) -> Result<()> {
+    let done = if out.exists() { read_examples(out)?.len() } else { 0 };
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(out)?;
+    let start = Instant::now();
+    let mut tokens = 0usize;
+    let todo = &prompts[done.min(prompts.len())..];
+    for (b, chunk) in todo.chunks(batch).enumerate() {
+        let mut seqs: Vec<(Vec<u32>, KvCache, Vec<u32>, bool)> = Vec::new();
+        for p in chunk {
+            let ids = tok.encode(&tok.chat_prompt(&[ChatMessage::new("user", p)]))?;
+            let mut cache = KvCache::new(llm.config());
+            llm.prefill(&mut cache, &ids[..ids.len() - 1])?;
+            seqs.push((ids, cache, Vec::new(), false));
+        }
+        for _ in 0..max_new {
+            let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].3).collect();
+            if active.is_empty() {
+                break;
+            }
+            let trees: Vec<TokenTree> = active
+                .iter()
+                .map(|&i| TokenTree::root(*seqs[i].2.last().unwrap_or(seqs[i].0.last().expect("prompt"))))
+                .collect();
+            let mut caches: Vec<&mut KvCache> = Vec::new();
+            for (i, s) in seqs.iter_mut().enumerate() {
+                if active.contains(&i) {
+                    caches.push(&mut s.1);
+                }
+            }
+            let mut batch_in: Vec<SeqTree> = caches.into_iter().zip(&trees).map(|(c, t)| SeqTree::new(c, t)).collect();
+            let logits = llm.forward(&mut batch_in)?;
+            drop(batch_in);
+            for (&i, l) in active.iter().zip(&logits) {
+                let s = &mut seqs[i];
+                s.1.compact(&[0]);
+                let t = argmax(l.node(0)) as u32;
+                s.2.push(t);
+                tokens += 1;
+                if tok.eos().contains(&t) || s.2.len() >= max_new {
+                    s.3 = true;
+                }
+            }
+        }
+        for (ids, _, answer, _) in seqs {
+            writeln!(file, "{}", serde_json::to_string(&Example { prompt: ids, answer })?)?;
+        }
+        let n = done + (b + 1) * batch;
+        let rate = tokens as f64 / start.elapsed().as_secs_f64();
+        let left = prompts.len().saturating_sub(n) as f64 / (((b + 1) * batch) as f64 / start.elapsed().as_secs_f64());
+        eprint!("\rteacher: {}/{} prompts, {rate:.0} tokens/s, ETA {:.0} s   ", n.min(prompts.len()), prompts.len(), left);
+    }
+    eprintln!();
+    Ok(())
+}
