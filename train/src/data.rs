@@ -38,14 +38,19 @@ pub fn prompts(cache: &Path, max_chars: usize) -> Result<Vec<String>> {
     let path = fetch::ensure(&SHAREGPT, cache).context("fetching ShareGPT")?;
     let bytes = std::fs::read(&path)?;
     // The file is a JSON array cut off mid-object: read objects one by one until the cut.
-    let mut pos = bytes.iter().position(|&b| b == b'[').context("not a JSON array")? + 1;
+    let mut pos = bytes
+        .iter()
+        .position(|&b| b == b'[')
+        .context("not a JSON array")?
+        + 1;
     let mut seen = std::collections::HashSet::new();
     let mut out = Vec::new();
     loop {
         while pos < bytes.len() && (bytes[pos].is_ascii_whitespace() || bytes[pos] == b',') {
             pos += 1;
         }
-        let mut stream = serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<Conversation>();
+        let mut stream =
+            serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<Conversation>();
         let Some(Ok(conv)) = stream.next() else { break };
         pos += stream.byte_offset();
         if let Some(t) = conv.conversations.iter().find(|t| t.from == "human") {

@@ -36,7 +36,11 @@ pub fn alignment(ssm: &Llama, examples: &[Example], report: &mut Report) -> Resu
             let l = logits.node(p);
             let target = l[seq[p + 1] as usize];
             // Rank = number of tokens with a strictly higher logit (ties favour the target).
-            let rank = if target == f32::NEG_INFINITY { usize::MAX } else { l.iter().filter(|&&x| x > target).count() };
+            let rank = if target == f32::NEG_INFINITY {
+                usize::MAX
+            } else {
+                l.iter().filter(|&&x| x > target).count()
+            };
             for (k, h) in hits.iter_mut().enumerate() {
                 *h += (rank <= k) as usize;
             }
@@ -53,13 +57,21 @@ pub fn alignment(ssm: &Llama, examples: &[Example], report: &mut Report) -> Resu
 
 /// Greedy speculation with the paper's tree on `prompts` (token ids), `max_new` tokens each;
 /// checks the output equals the LLM's own greedy output as it goes.
-pub fn tau(llm: &Llama, ssm: &Llama, prompts: &[Vec<u32>], max_new: u32, report: &mut Report) -> Result<()> {
+pub fn tau(
+    llm: &Llama,
+    ssm: &Llama,
+    prompts: &[Vec<u32>],
+    max_new: u32,
+    report: &mut Report,
+) -> Result<()> {
     use specinfer_edge::{CandleDraft, DraftMode, Speculator};
     let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for ids in prompts {
-        let mut session = specinfer_verifier::Session::open(llm, ids, SamplingParams::greedy(max_new), &limits)?;
-        let mut speculator = Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
+        let mut session =
+            specinfer_verifier::Session::open(llm, ids, SamplingParams::greedy(max_new), &limits)?;
+        let mut speculator =
+            Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
         let mut draft = CandleDraft::new(ssm);
         while session.finish().is_none() {
             let tree = speculator.draft(&mut draft, session.tokens())?;

@@ -11,7 +11,11 @@ use specinfer_model::{fetch, load_gguf, Llama};
 use specinfer_train::{data, eval, ssm, teacher, train};
 
 #[derive(Parser)]
-#[command(name = "specinfer-train", version, about = "Distil a small speculative model (SSM) from the LLM.")]
+#[command(
+    name = "specinfer-train",
+    version,
+    about = "Distil a small speculative model (SSM) from the LLM."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -68,7 +72,10 @@ struct RunArgs {
 
 fn main() -> Result<()> {
     let Command::Run(a) = Cli::parse().command;
-    let work = a.work.clone().unwrap_or_else(|| fetch::cache_dir().join("train"));
+    let work = a
+        .work
+        .clone()
+        .unwrap_or_else(|| fetch::cache_dir().join("train"));
     std::fs::create_dir_all(&work)?;
     let t0 = Instant::now();
     let llm_path = match &a.llm {
@@ -79,23 +86,64 @@ fn main() -> Result<()> {
 
     eprintln!("[1/5] prompts");
     let all = data::prompts(&fetch::cache_dir(), 1000)?;
-    let train_prompts: Vec<String> = all.iter().filter(|p| !data::held_out(p)).take(a.prompts).cloned().collect();
-    let heldout: Vec<String> = all.iter().filter(|p| data::held_out(p)).take(a.heldout).cloned().collect();
-    eprintln!("      {} conversations read; {} training and {} held-out prompts", all.len(), train_prompts.len(), heldout.len());
+    let train_prompts: Vec<String> = all
+        .iter()
+        .filter(|p| !data::held_out(p))
+        .take(a.prompts)
+        .cloned()
+        .collect();
+    let heldout: Vec<String> = all
+        .iter()
+        .filter(|p| data::held_out(p))
+        .take(a.heldout)
+        .cloned()
+        .collect();
+    eprintln!(
+        "      {} conversations read; {} training and {} held-out prompts",
+        all.len(),
+        train_prompts.len(),
+        heldout.len()
+    );
 
     eprintln!("[2/5] teacher answers");
     let train_file = work.join("teacher_train.jsonl");
     let heldout_file = work.join("teacher_heldout.jsonl");
-    teacher::generate(&llm, &tok, &heldout, a.max_new, a.teacher_batch, &heldout_file)?;
-    teacher::generate(&llm, &tok, &train_prompts, a.max_new, a.teacher_batch, &train_file)?;
+    teacher::generate(
+        &llm,
+        &tok,
+        &heldout,
+        a.max_new,
+        a.teacher_batch,
+        &heldout_file,
+    )?;
+    teacher::generate(
+        &llm,
+        &tok,
+        &train_prompts,
+        a.max_new,
+        a.teacher_batch,
+        &train_file,
+    )?;
     let train_ex = teacher::read_examples(&train_file)?;
     let heldout_ex = teacher::read_examples(&heldout_file)?;
 
     eprintln!("[3/5] distillation");
     let head = train::head_tokens(&train_ex, a.head_tokens, tok.eos());
-    let covered = train_ex.iter().flat_map(|e| &e.answer).filter(|t| head.contains(t)).count() as f64
-        / train_ex.iter().map(|e| e.answer.len()).sum::<usize>().max(1) as f64;
-    eprintln!("      head of {} tokens covers {:.1}% of the teacher's answer tokens", head.len(), covered * 100.0);
+    let covered = train_ex
+        .iter()
+        .flat_map(|e| &e.answer)
+        .filter(|t| head.contains(t))
+        .count() as f64
+        / train_ex
+            .iter()
+            .map(|e| e.answer.len())
+            .sum::<usize>()
+            .max(1) as f64;
+    eprintln!(
+        "      head of {} tokens covers {:.1}% of the teacher's answer tokens",
+        head.len(),
+        covered * 100.0
+    );
     let cfg = ssm::SsmConfig {
         vocab_size: llm.config().vocab_size,
         d_model: a.d_model,
@@ -117,7 +165,15 @@ fn main() -> Result<()> {
         }
         _ => 0,
     };
-    let tc = train::TrainConfig { steps: a.steps, batch: a.batch, seq_len: a.seq_len, lr: a.lr, warmup: 50, seed: 7, checkpoint_every: 100 };
+    let tc = train::TrainConfig {
+        steps: a.steps,
+        batch: a.batch,
+        seq_len: a.seq_len,
+        lr: a.lr,
+        warmup: 50,
+        seed: 7,
+        checkpoint_every: 100,
+    };
     let curve = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
 
     eprintln!("[4/5] export to {}", a.out.display());
@@ -128,7 +184,11 @@ fn main() -> Result<()> {
     let exported = Llama::from_safetensors(&a.out)?;
     let mut report = eval::Report::default();
     eval::alignment(&exported, &heldout_ex, &mut report)?;
-    let tau_prompts: Vec<Vec<u32>> = heldout_ex.iter().take(10).map(|e| e.prompt.clone()).collect();
+    let tau_prompts: Vec<Vec<u32>> = heldout_ex
+        .iter()
+        .take(10)
+        .map(|e| e.prompt.clone())
+        .collect();
     eval::tau(&llm, &exported, &tau_prompts, 64, &mut report)?;
     let per_token = ssm_compute(&exported) as f64 / ssm_compute(&llm) as f64;
     let json = serde_json::json!({
@@ -138,7 +198,10 @@ fn main() -> Result<()> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "minutes": t0.elapsed().as_secs_f64() / 60.0,
     });
-    std::fs::write(a.out.join("eval.json"), serde_json::to_string_pretty(&json)?)?;
+    std::fs::write(
+        a.out.join("eval.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
     let md = format!(
         "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy).\n\n\
          | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n\n\

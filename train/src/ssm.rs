@@ -34,7 +34,8 @@ pub struct Ssm {
 
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?.broadcast_mul(w)
+    x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?
+        .broadcast_mul(w)
 }
 
 /// `x @ w^T` for a 3-d `x`.
@@ -46,7 +47,13 @@ fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 impl Ssm {
     /// A fresh model: token embeddings from the teacher's, projected down by a fixed random
     /// map (keeps the teacher's similarity structure), everything else small random.
-    pub fn init(cfg: SsmConfig, head_ids: Vec<u32>, teacher_embed: &[f32], teacher_d: usize, seed: u64) -> Result<Self> {
+    pub fn init(
+        cfg: SsmConfig,
+        head_ids: Vec<u32>,
+        teacher_embed: &[f32],
+        teacher_d: usize,
+        seed: u64,
+    ) -> Result<Self> {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let dev = Device::Cpu;
@@ -65,7 +72,9 @@ impl Ssm {
         for t in 0..cfg.vocab_size {
             let src = &teacher_embed[t * teacher_d..(t + 1) * teacher_d];
             for j in 0..d {
-                embed[t * d + j] = (0..teacher_d).map(|k| src[k] * proj[k * d + j]).sum::<f32>();
+                embed[t * d + j] = (0..teacher_d)
+                    .map(|k| src[k] * proj[k * d + j])
+                    .sum::<f32>();
             }
         }
         // Scale to unit RMS per row on average, as the RMSNorm downstream expects.
@@ -73,25 +82,60 @@ impl Ssm {
         embed.iter_mut().for_each(|x| *x /= rms);
         let mut vars = Vec::new();
         let mut add = |name: String, data: Vec<f32>, shape: &[usize]| -> Result<()> {
-            vars.push((name, Var::from_tensor(&Tensor::from_vec(data, shape, &dev)?)?));
+            vars.push((
+                name,
+                Var::from_tensor(&Tensor::from_vec(data, shape, &dev)?)?,
+            ));
             Ok(())
         };
-        add("model.embed_tokens.weight".into(), embed, &[cfg.vocab_size, d])?;
+        add(
+            "model.embed_tokens.weight".into(),
+            embed,
+            &[cfg.vocab_size, d],
+        )?;
         let std = 0.02;
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
             add(format!("{p}.input_layernorm.weight"), vec![1.0; d], &[d])?;
-            add(format!("{p}.post_attention_layernorm.weight"), vec![1.0; d], &[d])?;
+            add(
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![1.0; d],
+                &[d],
+            )?;
             for n in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                add(format!("{p}.self_attn.{n}.weight"), normal(d * d, std), &[d, d])?;
+                add(
+                    format!("{p}.self_attn.{n}.weight"),
+                    normal(d * d, std),
+                    &[d, d],
+                )?;
             }
-            add(format!("{p}.mlp.gate_proj.weight"), normal(cfg.ffn_dim * d, std), &[cfg.ffn_dim, d])?;
-            add(format!("{p}.mlp.up_proj.weight"), normal(cfg.ffn_dim * d, std), &[cfg.ffn_dim, d])?;
-            add(format!("{p}.mlp.down_proj.weight"), normal(d * cfg.ffn_dim, std / (2.0 * cfg.n_layers as f32).sqrt()), &[d, cfg.ffn_dim])?;
+            add(
+                format!("{p}.mlp.gate_proj.weight"),
+                normal(cfg.ffn_dim * d, std),
+                &[cfg.ffn_dim, d],
+            )?;
+            add(
+                format!("{p}.mlp.up_proj.weight"),
+                normal(cfg.ffn_dim * d, std),
+                &[cfg.ffn_dim, d],
+            )?;
+            add(
+                format!("{p}.mlp.down_proj.weight"),
+                normal(d * cfg.ffn_dim, std / (2.0 * cfg.n_layers as f32).sqrt()),
+                &[d, cfg.ffn_dim],
+            )?;
         }
         add("model.norm.weight".into(), vec![1.0; d], &[d])?;
-        add("lm_head.weight".into(), normal(head_ids.len() * d, std), &[head_ids.len(), d])?;
-        Ok(Ssm { cfg, head_ids, vars })
+        add(
+            "lm_head.weight".into(),
+            normal(head_ids.len() * d, std),
+            &[head_ids.len(), d],
+        )?;
+        Ok(Ssm {
+            cfg,
+            head_ids,
+            vars,
+        })
     }
 
     pub fn vars(&self) -> Vec<Var> {
@@ -99,7 +143,11 @@ impl Ssm {
     }
 
     fn get(&self, name: &str) -> &Tensor {
-        self.vars.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_tensor()).unwrap_or_else(|| panic!("no var {name}"))
+        self.vars
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_tensor())
+            .unwrap_or_else(|| panic!("no var {name}"))
     }
 
     /// Logits over the head's tokens for `ids` (`[batch, len]`, u32): `[batch, len, head]`.
@@ -109,10 +157,17 @@ impl Ssm {
         let (d, h) = (cfg.d_model, cfg.n_heads);
         let hd = d / h;
         let dev = ids.device();
-        let mut x = self.get("model.embed_tokens.weight").index_select(&ids.flatten_all()?, 0)?.reshape((b, l, d))?;
+        let mut x = self
+            .get("model.embed_tokens.weight")
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, l, d))?;
         // RoPE tables [l, hd]: cos/sin of position * theta^(-2i/hd), the half repeated twice.
-        let inv: Vec<f32> = (0..hd / 2).map(|i| cfg.rope_theta.powf(-(2.0 * i as f32) / hd as f32)).collect();
-        let ang: Vec<f32> = (0..l).flat_map(|p| inv.iter().map(move |f| p as f32 * f)).collect();
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| cfg.rope_theta.powf(-(2.0 * i as f32) / hd as f32))
+            .collect();
+        let ang: Vec<f32> = (0..l)
+            .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+            .collect();
         let ang = Tensor::from_vec(ang, (l, hd / 2), dev)?;
         let ang = Tensor::cat(&[&ang, &ang], 1)?;
         let (cos, sin) = (ang.cos()?, ang.sin()?);
@@ -122,20 +177,38 @@ impl Ssm {
             let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
             t.broadcast_mul(&cos)?.add(&rotated.broadcast_mul(&sin)?)
         };
-        let mask: Vec<f32> = (0..l).flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY })).collect();
+        let mask: Vec<f32> = (0..l)
+            .flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
         let mask = Tensor::from_vec(mask, (l, l), dev)?;
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
-            let hn = rms_norm(&x, self.get(&format!("{p}.input_layernorm.weight")), cfg.rms_eps)?;
+            let hn = rms_norm(
+                &x,
+                self.get(&format!("{p}.input_layernorm.weight")),
+                cfg.rms_eps,
+            )?;
             let split = |w: &str| -> candle_core::Result<Tensor> {
-                linear(&hn, self.get(&format!("{p}.self_attn.{w}.weight")))?.reshape((b, l, h, hd))?.transpose(1, 2)?.contiguous()
+                linear(&hn, self.get(&format!("{p}.self_attn.{w}.weight")))?
+                    .reshape((b, l, h, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()
             };
-            let (q, k, v) = (rope(&split("q_proj")?)?, rope(&split("k_proj")?)?, split("v_proj")?);
-            let att = (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
+            let (q, k, v) = (
+                rope(&split("q_proj")?)?,
+                rope(&split("k_proj")?)?,
+                split("v_proj")?,
+            );
+            let att =
+                (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))?;
             x = (x + linear(&o, self.get(&format!("{p}.self_attn.o_proj.weight")))?)?;
-            let hn = rms_norm(&x, self.get(&format!("{p}.post_attention_layernorm.weight")), cfg.rms_eps)?;
+            let hn = rms_norm(
+                &x,
+                self.get(&format!("{p}.post_attention_layernorm.weight")),
+                cfg.rms_eps,
+            )?;
             let g = linear(&hn, self.get(&format!("{p}.mlp.gate_proj.weight")))?;
             let u = linear(&hn, self.get(&format!("{p}.mlp.up_proj.weight")))?;
             let act = (candle_nn::ops::silu(&g)? * u)?;
@@ -152,7 +225,10 @@ impl Ssm {
         for (name, v) in &self.vars {
             tensors.insert(name.clone(), v.as_tensor().to_dtype(DType::F16)?);
         }
-        tensors.insert("lm_head.token_ids".into(), Tensor::new(self.head_ids.as_slice(), &Device::Cpu)?);
+        tensors.insert(
+            "lm_head.token_ids".into(),
+            Tensor::new(self.head_ids.as_slice(), &Device::Cpu)?,
+        );
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
         let c = &self.cfg;
         let config = serde_json::json!({
@@ -170,13 +246,20 @@ impl Ssm {
             "tie_word_embeddings": false,
             "specinfer_head_tokens": self.head_ids.len(),
         });
-        std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&config)?,
+        )?;
         Ok(())
     }
 
     /// Saves / restores the training state (f32 weights) for resumption.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
-        let t: HashMap<String, Tensor> = self.vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let t: HashMap<String, Tensor> = self
+            .vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
         candle_core::safetensors::save(&t, path)?;
         Ok(())
     }

@@ -26,9 +26,23 @@ pub fn read_examples(path: &Path) -> Result<Vec<Example>> {
 
 /// Appends the teacher's answers for `prompts` to `out` (JSONL), skipping the prompts already
 /// answered there: an interrupted run resumes where it stopped.
-pub fn generate(llm: &Llama, tok: &Tokenizer, prompts: &[String], max_new: usize, batch: usize, out: &Path) -> Result<()> {
-    let done = if out.exists() { read_examples(out)?.len() } else { 0 };
-    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(out)?;
+pub fn generate(
+    llm: &Llama,
+    tok: &Tokenizer,
+    prompts: &[String],
+    max_new: usize,
+    batch: usize,
+    out: &Path,
+) -> Result<()> {
+    let done = if out.exists() {
+        read_examples(out)?.len()
+    } else {
+        0
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out)?;
     let start = Instant::now();
     let mut tokens = 0usize;
     let todo = &prompts[done.min(prompts.len())..];
@@ -47,7 +61,14 @@ pub fn generate(llm: &Llama, tok: &Tokenizer, prompts: &[String], max_new: usize
             }
             let trees: Vec<TokenTree> = active
                 .iter()
-                .map(|&i| TokenTree::root(*seqs[i].2.last().unwrap_or(seqs[i].0.last().expect("prompt"))))
+                .map(|&i| {
+                    TokenTree::root(
+                        *seqs[i]
+                            .2
+                            .last()
+                            .unwrap_or(seqs[i].0.last().expect("prompt")),
+                    )
+                })
                 .collect();
             let mut caches: Vec<&mut KvCache> = Vec::new();
             for (i, s) in seqs.iter_mut().enumerate() {
@@ -55,7 +76,11 @@ pub fn generate(llm: &Llama, tok: &Tokenizer, prompts: &[String], max_new: usize
                     caches.push(&mut s.1);
                 }
             }
-            let mut batch_in: Vec<SeqTree> = caches.into_iter().zip(&trees).map(|(c, t)| SeqTree::new(c, t)).collect();
+            let mut batch_in: Vec<SeqTree> = caches
+                .into_iter()
+                .zip(&trees)
+                .map(|(c, t)| SeqTree::new(c, t))
+                .collect();
             let logits = llm.forward(&mut batch_in)?;
             drop(batch_in);
             for (&i, l) in active.iter().zip(&logits) {
@@ -70,12 +95,25 @@ pub fn generate(llm: &Llama, tok: &Tokenizer, prompts: &[String], max_new: usize
             }
         }
         for (ids, _, answer, _) in seqs {
-            writeln!(file, "{}", serde_json::to_string(&Example { prompt: ids, answer })?)?;
+            writeln!(
+                file,
+                "{}",
+                serde_json::to_string(&Example {
+                    prompt: ids,
+                    answer
+                })?
+            )?;
         }
         let n = done + (b + 1) * batch;
         let rate = tokens as f64 / start.elapsed().as_secs_f64();
-        let left = prompts.len().saturating_sub(n) as f64 / (((b + 1) * batch) as f64 / start.elapsed().as_secs_f64());
-        eprint!("\rteacher: {}/{} prompts, {rate:.0} tokens/s, ETA {:.0} s   ", n.min(prompts.len()), prompts.len(), left);
+        let left = prompts.len().saturating_sub(n) as f64
+            / (((b + 1) * batch) as f64 / start.elapsed().as_secs_f64());
+        eprint!(
+            "\rteacher: {}/{} prompts, {rate:.0} tokens/s, ETA {:.0} s   ",
+            n.min(prompts.len()),
+            prompts.len(),
+            left
+        );
     }
     eprintln!();
     Ok(())

@@ -35,7 +35,13 @@ pub fn head_tokens(examples: &[Example], head: usize, always: &[u32]) -> Vec<u32
     let mut by_freq: Vec<(u32, usize)> = count.into_iter().collect();
     by_freq.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let mut ids: Vec<u32> = always.to_vec();
-    ids.extend(by_freq.into_iter().map(|(t, _)| t).filter(|t| !always.contains(t)).take(head.saturating_sub(always.len())));
+    ids.extend(
+        by_freq
+            .into_iter()
+            .map(|(t, _)| t)
+            .filter(|t| !always.contains(t))
+            .take(head.saturating_sub(always.len())),
+    );
     ids
 }
 
@@ -46,7 +52,12 @@ struct Batch {
     targets: Tensor,
 }
 
-fn make_batch(examples: &[Example], picks: &[usize], seq_len: usize, head_index: &HashMap<u32, u32>) -> Result<Option<Batch>> {
+fn make_batch(
+    examples: &[Example],
+    picks: &[usize],
+    seq_len: usize,
+    head_index: &HashMap<u32, u32>,
+) -> Result<Option<Batch>> {
     let seqs: Vec<(Vec<u32>, usize)> = picks
         .iter()
         .map(|&i| {
@@ -96,21 +107,47 @@ fn loss(ssm: &Ssm, batch: &Batch) -> candle_core::Result<Tensor> {
 
 /// Trains from step `start` (after a resumed checkpoint) to `cfg.steps`; returns the mean loss of
 /// each logged window.
-pub fn train(ssm: &mut Ssm, examples: &[Example], cfg: &TrainConfig, checkpoint: &Path, start: usize) -> Result<Vec<f32>> {
-    let head_index: HashMap<u32, u32> = ssm.head_ids.iter().enumerate().map(|(i, &t)| (t, i as u32)).collect();
-    let mut opt = AdamW::new(ssm.vars(), ParamsAdamW { lr: cfg.lr, weight_decay: 0.01, ..ParamsAdamW::default() })?;
+pub fn train(
+    ssm: &mut Ssm,
+    examples: &[Example],
+    cfg: &TrainConfig,
+    checkpoint: &Path,
+    start: usize,
+) -> Result<Vec<f32>> {
+    let head_index: HashMap<u32, u32> = ssm
+        .head_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| (t, i as u32))
+        .collect();
+    let mut opt = AdamW::new(
+        ssm.vars(),
+        ParamsAdamW {
+            lr: cfg.lr,
+            weight_decay: 0.01,
+            ..ParamsAdamW::default()
+        },
+    )?;
     let t0 = Instant::now();
     let mut window = Vec::new();
     let mut curve = Vec::new();
     for step in start..cfg.steps {
         let warm = (step + 1) as f64 / cfg.warmup.max(1) as f64;
         let progress = step as f64 / cfg.steps as f64;
-        let lr = cfg.lr * warm.min(1.0) * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()));
+        let lr = cfg.lr
+            * warm.min(1.0)
+            * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()));
         opt.set_learning_rate(lr);
         // Batches depend only on (seed, step), so a resumed run sees the same data.
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9));
-        let picks: Vec<usize> = (0..cfg.batch).map(|_| rng.random_range(0..examples.len())).collect();
-        let Some(batch) = make_batch(examples, &picks, cfg.seq_len, &head_index)? else { continue };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+            cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9),
+        );
+        let picks: Vec<usize> = (0..cfg.batch)
+            .map(|_| rng.random_range(0..examples.len()))
+            .collect();
+        let Some(batch) = make_batch(examples, &picks, cfg.seq_len, &head_index)? else {
+            continue;
+        };
         let l = loss(ssm, &batch)?;
         opt.backward_step(&l)?;
         window.push(l.to_scalar::<f32>()?);
@@ -120,7 +157,11 @@ pub fn train(ssm: &mut Ssm, examples: &[Example], cfg: &TrainConfig, checkpoint:
             curve.push(mean);
             window.clear();
             let eta = t0.elapsed().as_secs_f64() / done as f64 * (cfg.steps - step - 1) as f64;
-            eprintln!("train: step {}/{} loss {mean:.3} lr {lr:.2e} ETA {eta:.0} s", step + 1, cfg.steps);
+            eprintln!(
+                "train: step {}/{} loss {mean:.3} lr {lr:.2e} ETA {eta:.0} s",
+                step + 1,
+                cfg.steps
+            );
         }
         if (step + 1) % cfg.checkpoint_every == 0 {
             ssm.save_checkpoint(checkpoint)?;

