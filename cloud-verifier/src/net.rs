@@ -152,21 +152,13 @@ pub enum Trust {
 impl Trust {
     /// Parses a pinned fingerprint given as 64 hex digits (colons allowed).
     pub fn pinned_hex(hex: &str) -> Result<Self, NetError> {
-        let clean: String = hex.chars().filter(|c| *c != ':').collect();
-        let bytes: Option<Vec<u8>> = (0..clean.len())
-            .step_by(2)
-            .map(|i| {
-                clean
-                    .get(i..i + 2)
-                    .and_then(|b| u8::from_str_radix(b, 16).ok())
+        specinfer_model::fetch::parse_sha256_hex(hex)
+            .map(Trust::Pinned)
+            .ok_or_else(|| {
+                NetError::Tls(format!(
+                    "{hex:?} is not a SHA-256 fingerprint (64 hex digits)"
+                ))
             })
-            .collect();
-        match bytes.and_then(|b| <[u8; 32]>::try_from(b).ok()) {
-            Some(fp) => Ok(Trust::Pinned(fp)),
-            None => Err(NetError::Tls(format!(
-                "{hex:?} is not a SHA-256 fingerprint (64 hex digits)"
-            ))),
-        }
     }
 }
 

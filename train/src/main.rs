@@ -177,8 +177,7 @@ fn main() -> Result<()> {
     let curve = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
 
     eprintln!("[4/5] export to {}", a.out.display());
-    model.export(&a.out)?;
-    tok.save(&a.out.join("tokenizer.json"))?;
+    model.export(&a.out, &tok.sha256())?;
 
     eprintln!("[5/5] evaluation on {} held-out prompts", heldout_ex.len());
     let exported = Llama::from_safetensors(&a.out)?;

@@ -218,8 +218,10 @@ impl Ssm {
         linear(&x, self.get("lm_head.weight"))
     }
 
-    /// Writes `model.safetensors` (f16 weights, `lm_head.token_ids`) and `config.json`.
-    pub fn export(&self, dir: &Path) -> Result<()> {
+    /// Writes `model.safetensors` (f16 weights, `lm_head.token_ids`) and `config.json`, which
+    /// records the SHA-256 of the tokenizer the token ids belong to (so the folder needs no
+    /// tokenizer.json of its own to be checked against an LLM).
+    pub fn export(&self, dir: &Path, tokenizer_sha256: &[u8; 32]) -> Result<()> {
         std::fs::create_dir_all(dir)?;
         let mut tensors: HashMap<String, Tensor> = HashMap::new();
         for (name, v) in &self.vars {
@@ -245,6 +247,7 @@ impl Ssm {
             "max_position_embeddings": c.max_positions,
             "tie_word_embeddings": false,
             "specinfer_head_tokens": self.head_ids.len(),
+            "specinfer_tokenizer_sha256": tokenizer_sha256.iter().map(|b| format!("{b:02x}")).collect::<String>(),
         });
         std::fs::write(
             dir.join("config.json"),

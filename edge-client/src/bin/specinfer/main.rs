@@ -267,15 +267,14 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
             continue;
         }
         let p = Path::new(path);
-        let (m, ssm_tok) = if p.is_dir() {
+        let (m, ssm_sha) = if p.is_dir() {
             let m = Llama::from_safetensors(p).with_context(|| format!("loading SSM {path}"))?;
-            let t = Tokenizer::from_file(&p.join("tokenizer.json"), tok.bos(), tok.eos().to_vec())
-                .with_context(|| format!("loading the SSM's tokenizer from {path}"))?;
-            (m, t)
+            (m, ssm_folder_tokenizer_sha(p, &tok)?)
         } else {
-            load_gguf(p).with_context(|| format!("loading SSM {path}"))?
+            let (m, t) = load_gguf(p).with_context(|| format!("loading SSM {path}"))?;
+            (m, t.sha256())
         };
-        if ssm_tok.sha256() != tok.sha256() {
+        if ssm_sha != tok.sha256() {
             bail!("the SSM {path} has another tokenizer than the LLM: token ids would not agree");
         }
         ssms.push(Arc::new(m));
@@ -536,4 +535,30 @@ fn print_now(text: &str, enabled: bool) {
         print!("{text}");
         let _ = std::io::stdout().flush();
     }
+}
+
+/// The tokenizer an SSM folder was trained with: its tokenizer.json if present, else the hash
+/// its config.json records (as written by specinfer-train).
+fn ssm_folder_tokenizer_sha(dir: &Path, llm_tok: &Tokenizer) -> Result<[u8; 32]> {
+    let json = dir.join("tokenizer.json");
+    if json.exists() {
+        return Ok(Tokenizer::from_file(&json, llm_tok.bos(), llm_tok.eos().to_vec())?.sha256());
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let hex = cfg
+        .get("specinfer_tokenizer_sha256")
+        .and_then(|v| v.as_str())
+        .with_context(|| {
+            format!(
+                "{}: no tokenizer.json and no specinfer_tokenizer_sha256 in config.json",
+                dir.display()
+            )
+        })?;
+    fetch::parse_sha256_hex(hex).with_context(|| {
+        format!(
+            "{}: specinfer_tokenizer_sha256 is not a SHA-256",
+            dir.display()
+        )
+    })
 }
