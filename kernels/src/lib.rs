@@ -1,7 +1,8 @@
 //! Compute kernels shared by the verifier's engine, the native SSM and training.
 //!
-//! Plain slices in, plain slices out: the same layouts are used by the CUDA path, and nothing here
-//! depends on a tensor framework, so it also builds for wasm32.
+//! Plain slices in, plain slices out, no tensor framework: the layouts are the ones a CUDA path
+//! would use. Work is spread over rayon's global pool (the one pool of the process); a browser
+//! build will need that behind a feature, as wasm32 has no threads by default.
 
 mod attention;
 pub mod quant;
