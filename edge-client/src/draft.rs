@@ -19,6 +19,8 @@ pub struct CandleDraft<'m> {
     cache: KvCache,
     /// Tokens whose K/V are committed in `cache`.
     cached: Vec<u32>,
+    /// The tree whose nodes sit in the cache's scratch region (the last one drafted).
+    scratch_tree: Option<TokenTree>,
 }
 
 impl<'m> CandleDraft<'m> {
@@ -27,6 +29,7 @@ impl<'m> CandleDraft<'m> {
             model,
             cache: KvCache::new(model.config()),
             cached: Vec::new(),
+            scratch_tree: None,
         }
     }
 }
@@ -34,6 +37,18 @@ impl<'m> CandleDraft<'m> {
 impl DraftModel for CandleDraft<'_> {
     fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
         let want = &committed[..committed.len().saturating_sub(1)];
+        // After a round the accepted path is already in the scratch region: keep it (copy into
+        // place) instead of computing it again.
+        if let Some(tree) = self.scratch_tree.take() {
+            let new = want
+                .get(self.cached.len()..)
+                .filter(|_| want.starts_with(&self.cached));
+            if let Some(path) = new.and_then(|new| tree_path(&tree, new)) {
+                self.cache.compact(&path);
+                self.cached
+                    .extend(path.iter().map(|&n| tree.token(n as usize)));
+            }
+        }
         let common = self
             .cached
             .iter()
@@ -50,6 +65,7 @@ impl DraftModel for CandleDraft<'_> {
     }
 
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.scratch_tree = Some(tree.clone());
         let out = self
             .model
             .forward(&mut [SeqTree {
@@ -60,4 +76,23 @@ impl DraftModel for CandleDraft<'_> {
             .remove(0);
         Ok((0..out.nodes()).map(|i| out.node(i).to_vec()).collect())
     }
+}
+
+/// Nodes of `tree` spelling `tokens` from the root (root included), if the tree has that path.
+fn tree_path(tree: &TokenTree, tokens: &[u32]) -> Option<Vec<u32>> {
+    let (&first, rest) = tokens.split_first()?;
+    if tree.token(0) != first {
+        return None;
+    }
+    let children = tree.children();
+    let mut path = vec![0u32];
+    for &t in rest {
+        let node = *path.last().expect("non-empty");
+        let next = children[node as usize]
+            .iter()
+            .copied()
+            .find(|&c| tree.token(c as usize) == t)?;
+        path.push(next);
+    }
+    Some(path)
 }
