@@ -8,7 +8,7 @@ use specinfer_model::ModelError;
 use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree};
 
 use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-use crate::{DraftModel, Speculator};
+use crate::{DraftModel, RoundObservation, Speculator};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -97,6 +97,7 @@ impl Client {
             .open(id, committed.clone(), params.clone())
             .await?;
         loop {
+            let drafted = Instant::now();
             let tree = match &mut drafting {
                 Drafting::None => TokenTree::root(*committed.last().expect("never empty")),
                 Drafting::Tree { speculator, drafts } if drafts.len() == 1 => {
@@ -106,8 +107,24 @@ impl Client {
                     speculator.draft_merged(drafts, &committed)?
                 }
             };
+            let draft_s = drafted.elapsed().as_secs_f64();
+            let (tree_depth, tree_nodes) = (
+                tree.depths().into_iter().max().unwrap_or(0) as usize,
+                tree.len(),
+            );
+            let sent = Instant::now();
             match session.verify(tree).await {
                 Ok(v) => {
+                    if let Drafting::Tree { speculator, .. } = &mut drafting {
+                        speculator.observe(RoundObservation {
+                            tree_depth,
+                            tree_nodes,
+                            accepted: v.accepted_nodes.len(),
+                            draft_s,
+                            round_s: sent.elapsed().as_secs_f64(),
+                            forward_s: v.stats.forward_us as f64 * 1e-6,
+                        });
+                    }
                     if g.rounds == 0 {
                         g.ttft = start.elapsed();
                     }

@@ -11,4 +11,6 @@ pub use client::{Client, ClientError, Drafting, Generation};
 pub use draft::{CandleDraft, DraftModel};
 pub use embedded::EmbeddedVerifier;
 pub use remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-pub use speculator::{merge_trees, DraftMode, Speculator, TreeShape};
+pub use speculator::{
+    merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape,
+};

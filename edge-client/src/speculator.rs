@@ -33,13 +33,23 @@ pub enum TreeShape {
     /// Beyond the paper: grow, wave by wave, the candidates with the highest path probability
     /// under the draft model until `budget` nodes (root excluded) are placed. Greedy mode only.
     Dynamic { budget: usize },
+    /// An expansion tree cut to the depth that maximises measured tokens per second: deeper trees
+    /// pay off only while the draft keeps being accepted there and verifying stays cheap next to
+    /// the round trip. See [`DepthController`].
+    Adaptive(Vec<usize>),
 }
 
 impl std::str::FromStr for TreeShape {
     type Err = String;
 
-    /// `1,1,3,1` or `dynamic:N`.
+    /// `1,1,3,1`, `dynamic:N`, or `adaptive:1,1,3,1` (the expansion cut to a measured depth).
     fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(rest) = s.strip_prefix("adaptive:") {
+            return match rest.parse::<TreeShape>()? {
+                TreeShape::Expansion(e) => Ok(TreeShape::Adaptive(e)),
+                _ => Err(format!("{s:?}: adaptive:K1,K2,... takes an expansion")),
+            };
+        }
         if let Some(n) = s.strip_prefix("dynamic:") {
             let budget = n
                 .parse()
@@ -61,6 +71,7 @@ pub struct Speculator {
     pub shape: TreeShape,
     pub mode: DraftMode,
     rng: ChaCha8Rng,
+    depth: DepthController,
 }
 
 impl Speculator {
@@ -72,11 +83,26 @@ impl Speculator {
     }
 
     pub fn with_shape(shape: TreeShape, mode: DraftMode, seed: u64) -> Self {
+        let max_depth = match &shape {
+            TreeShape::Adaptive(e) | TreeShape::Expansion(e) => e.len(),
+            TreeShape::Dynamic { .. } => 0,
+        };
         Speculator {
             shape,
             mode,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            depth: DepthController::new(max_depth),
         }
+    }
+
+    /// Feeds what one round measured to the adaptive depth controller.
+    pub fn observe(&mut self, round: RoundObservation) {
+        self.depth.observe(round);
+    }
+
+    /// The depth the next adaptive tree will have.
+    pub fn adaptive_depth(&self) -> usize {
+        self.depth.best_depth()
     }
 
     /// Drafts the next tree after `committed` (its root is `committed`'s last token).
@@ -88,6 +114,10 @@ impl Speculator {
         model.sync(committed)?;
         match self.shape.clone() {
             TreeShape::Expansion(expansion) => self.expand(model, committed, &expansion),
+            TreeShape::Adaptive(expansion) => {
+                let depth = self.depth.best_depth();
+                self.expand(model, committed, &expansion[..depth])
+            }
             TreeShape::Dynamic { budget } => {
                 assert_eq!(
                     self.mode,
@@ -290,4 +320,106 @@ pub fn merge_trees(trees: &[TokenTree]) -> TokenTree {
             drawn_from,
         })
         .expect("merging keeps every proposal consistent")
+}
+
+/// What the client measured in one round.
+#[derive(Clone, Copy, Debug)]
+pub struct RoundObservation {
+    /// Depth of the tree sent (0 for a root-only tree).
+    pub tree_depth: usize,
+    pub tree_nodes: usize,
+    /// Drafted tokens the verifier accepted (the accepted path's length).
+    pub accepted: usize,
+    /// Seconds spent drafting the tree.
+    pub draft_s: f64,
+    /// Seconds from sending the tree to having the answer (network + queue + forward).
+    pub round_s: f64,
+    /// Seconds the verifier spent in its forward pass (from the round's stats).
+    pub forward_s: f64,
+}
+
+/// Chooses the tree depth m that maximises expected tokens per second,
+/// `E[tokens | m] / E[seconds | m]`, from what past rounds measured:
+/// * acceptance: the chance a drafted token at depth d is accepted given depth d-1 was, counted
+///   per depth (with a prior of 1 success in 2, and a depth never tried assumed as good as the
+///   one above it, so the controller keeps exploring);
+/// * cost: drafting time per level, verification time per tree node, and the fixed part of a
+///   round (round trip, queueing) as moving averages.
+pub struct DepthController {
+    max_depth: usize,
+    reached: Vec<f64>,
+    accepted: Vec<f64>,
+    draft_per_level: f64,
+    verify_per_node: f64,
+    fixed: f64,
+    rounds: usize,
+}
+
+impl DepthController {
+    pub fn new(max_depth: usize) -> Self {
+        DepthController {
+            max_depth,
+            reached: vec![0.0; max_depth + 1],
+            accepted: vec![0.0; max_depth + 1],
+            draft_per_level: 0.0,
+            verify_per_node: 0.0,
+            fixed: 0.0,
+            rounds: 0,
+        }
+    }
+
+    pub fn observe(&mut self, o: RoundObservation) {
+        for d in 1..=o.tree_depth.min(self.max_depth) {
+            // Depth d was tried only if every depth above it was accepted.
+            if o.accepted + 1 >= d {
+                self.reached[d] += 1.0;
+                self.accepted[d] += (o.accepted >= d) as u8 as f64;
+            }
+        }
+        let ema = |old: f64, new: f64, n: usize| if n == 0 { new } else { 0.8 * old + 0.2 * new };
+        if o.tree_depth > 0 {
+            self.draft_per_level = ema(
+                self.draft_per_level,
+                o.draft_s / o.tree_depth as f64,
+                self.rounds,
+            );
+        }
+        self.verify_per_node = ema(
+            self.verify_per_node,
+            o.forward_s / o.tree_nodes.max(1) as f64,
+            self.rounds,
+        );
+        self.fixed = ema(self.fixed, (o.round_s - o.forward_s).max(0.0), self.rounds);
+        self.rounds += 1;
+    }
+
+    /// Acceptance chance at depth d given d-1 was accepted.
+    fn acceptance(&self, d: usize) -> f64 {
+        if self.reached[d] == 0.0 && d > 1 {
+            return self.acceptance(d - 1);
+        }
+        (self.accepted[d] + 1.0) / (self.reached[d] + 2.0)
+    }
+
+    pub fn best_depth(&self) -> usize {
+        if self.max_depth == 0 || self.rounds == 0 {
+            return self.max_depth;
+        }
+        let (mut best, mut best_rate) = (1, 0.0);
+        let (mut expected, mut chain) = (1.0, 1.0);
+        for m in 1..=self.max_depth {
+            chain *= self.acceptance(m);
+            expected += chain;
+            // Nodes grow at least linearly with depth; a chain is the cheapest tree of depth m.
+            let seconds = self.fixed
+                + self.draft_per_level * m as f64
+                + self.verify_per_node * (m + 1) as f64;
+            let rate = expected / seconds.max(1e-9);
+            if rate > best_rate {
+                best = m;
+                best_rate = rate;
+            }
+        }
+        best
+    }
 }

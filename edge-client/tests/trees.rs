@@ -135,3 +135,50 @@ fn dynamic_trees_spend_their_budget_on_the_likeliest_paths() {
     );
     assert!("1,x".parse::<TreeShape>().is_err());
 }
+
+/// Rounds where the draft is right up to depth `good` and wrong after it.
+fn feed(
+    c: &mut specinfer_edge::DepthController,
+    good: usize,
+    fixed: f64,
+    per_node: f64,
+    per_level: f64,
+) {
+    for _ in 0..200 {
+        let depth = c.best_depth();
+        let accepted = good.min(depth);
+        c.observe(specinfer_edge::RoundObservation {
+            tree_depth: depth,
+            tree_nodes: depth + 1,
+            accepted,
+            draft_s: per_level * depth as f64,
+            round_s: fixed + per_node * (depth + 1) as f64,
+            forward_s: per_node * (depth + 1) as f64,
+        });
+    }
+}
+
+#[test]
+fn the_adaptive_depth_follows_acceptance_and_costs() {
+    use specinfer_edge::DepthController;
+    // The draft is good for 3 tokens, then never: deeper trees only cost.
+    let mut c = DepthController::new(8);
+    feed(&mut c, 3, 0.01, 0.001, 0.001);
+    assert!(
+        (3..=4).contains(&c.best_depth()),
+        "depth {}",
+        c.best_depth()
+    );
+    // Always right and a slow network: use the whole depth.
+    let mut c = DepthController::new(8);
+    feed(&mut c, 8, 0.05, 0.001, 0.001);
+    assert_eq!(c.best_depth(), 8);
+    // Never right and verification dear: the shortest tree.
+    let mut c = DepthController::new(8);
+    feed(&mut c, 0, 0.0, 0.05, 0.01);
+    assert_eq!(c.best_depth(), 1);
+    assert_eq!(
+        "adaptive:1,1,3".parse::<TreeShape>().unwrap(),
+        TreeShape::Adaptive(vec![1, 1, 3])
+    );
+}

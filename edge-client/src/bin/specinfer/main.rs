@@ -91,8 +91,9 @@ struct CommonArgs {
     #[arg(long, default_value = DEFAULT_SSM)]
     ssm: Vec<String>,
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
-    /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode), or "none"
-    /// for incremental decoding through the same path (the baseline).
+    /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode),
+    /// "adaptive:k1,...,km" (the expansion cut to the depth that maximises measured tokens per
+    /// second), or "none" for incremental decoding through the same path (the baseline).
     #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
     tree: String,
     /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
