@@ -174,7 +174,13 @@ fn main() -> Result<()> {
         seed: 7,
         checkpoint_every: 100,
     };
-    let curve = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
+    let new_points = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
+    // The loss curve of earlier (interrupted) runs lives beside the checkpoint.
+    let curve_file = work.join("loss_curve.json");
+    let mut curve: Vec<f32> = std::fs::read_to_string(&curve_file).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+    curve.truncate(start / 25);
+    curve.extend(new_points);
+    std::fs::write(&curve_file, serde_json::to_string(&curve)?)?;
 
     eprintln!("[4/5] export to {}", a.out.display());
     model.export(&a.out, &tok.sha256())?;
