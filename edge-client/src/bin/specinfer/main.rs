@@ -94,7 +94,7 @@ struct CommonArgs {
     /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode),
     /// "adaptive:k1,...,km" (the expansion cut to the depth that maximises measured tokens per
     /// second), or "none" for incremental decoding through the same path (the baseline).
-    #[arg(long, default_value = "1,1,3,1,1,1,1,1")]
+    #[arg(long, default_value = "adaptive:1,1,3,1,1,1,1,1")]
     tree: String,
     /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
     #[arg(long, default_value = "greedy")]
