@@ -52,6 +52,7 @@ pub struct Client {
     cfg: RemoteConfig,
     remote: Option<Remote>,
     next_session: u64,
+    added_rtt: Duration,
 }
 
 impl Client {
@@ -61,7 +62,14 @@ impl Client {
             cfg,
             remote: Some(remote),
             next_session: 1,
+            added_rtt: Duration::ZERO,
         })
+    }
+
+    /// Adds `rtt` of waiting to every round: an in-process stand-in for a slower network, so the
+    /// edge/cloud trade-off can be measured on one machine (benchmarks only).
+    pub fn emulate_round_trip(&mut self, rtt: Duration) {
+        self.added_rtt = rtt;
     }
 
     /// Closes the connection and waits until the verifier has been told.
@@ -113,6 +121,9 @@ impl Client {
                 tree.len(),
             );
             let sent = Instant::now();
+            if !self.added_rtt.is_zero() {
+                tokio::time::sleep(self.added_rtt).await;
+            }
             match session.verify(tree).await {
                 Ok(v) => {
                     if let Drafting::Tree { speculator, .. } = &mut drafting {

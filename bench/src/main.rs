@@ -1,0 +1,332 @@
+//! `specinfer-bench`: measures specinfer the way the SpecInfer paper did and the way an edge/cloud
+//! deployment needs, and writes JSON + Markdown + SVG plots under `bench/results/`.
+//!
+//! Every ratio is measured within one run. The network is emulated in process (a delay added to
+//! each round trip by the client), not with netem; the report says so.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use plotters::prelude::*;
+use serde_json::{json, Value};
+use specinfer_edge::{CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape};
+use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree, Tokenizer};
+use specinfer_train::{data, eval, teacher};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::Session;
+use specinfer_wire::{DrawMode, Limits, SamplingParams, TokenTree, VerifyMode};
+
+#[derive(Parser)]
+#[command(name = "specinfer-bench", version, about = "Reproduce the SpecInfer paper's measurements on specinfer, with plots.")]
+struct Args {
+    /// Small prompt counts and lengths: finishes in a few minutes.
+    #[arg(long)]
+    quick: bool,
+    /// The SSM (a folder from specinfer-train).
+    #[arg(long, default_value = "models/ssm")]
+    ssm: PathBuf,
+    /// Where the report goes.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+}
+
+struct Ctx {
+    llm: Arc<Llama>,
+    tok: Tokenizer,
+    ssm: Llama,
+    prompts: Vec<Vec<u32>>,
+    max_new: u32,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let t0 = Instant::now();
+    let (n_prompts, max_new) = if args.quick { (6, 48) } else { (30, 96) };
+    let llm_path = fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?;
+    let (llm, tok) = load_gguf(&llm_path)?;
+    let ssm = Llama::from_safetensors(&args.ssm).with_context(|| format!("loading SSM {}", args.ssm.display()))?;
+    std::fs::create_dir_all(&args.out)?;
+
+    eprintln!("[prompts] held-out ShareGPT prompts and their teacher answers");
+    let heldout: Vec<String> = data::prompts(&fetch::cache_dir(), 1000)?.into_iter().filter(|p| data::held_out(p)).take(n_prompts).collect();
+    let teacher_file = fetch::cache_dir().join(format!("bench_teacher_{n_prompts}_{max_new}.jsonl"));
+    teacher::generate(&llm, &tok, &heldout, max_new as usize, 16, &teacher_file)?;
+    let examples = teacher::read_examples(&teacher_file)?;
+    let ctx = Ctx { prompts: examples.iter().map(|e| e.prompt.clone()).collect(), llm: Arc::new(llm), tok, ssm, max_new };
+
+    let mut report = serde_json::Map::new();
+    eprintln!("[1] SSM/LLM alignment (Table 1)");
+    let mut align = eval::Report::default();
+    eval::alignment(&ctx.ssm, &examples, &mut align)?;
+    report.insert("alignment_top_k_greedy".into(), json!(align.top_k_greedy));
+
+    eprintln!("[2,7] tokens per round vs tree width, dynamic trees, incremental (Table 2)");
+    let incremental = run_local(&ctx, None, VerifyMode::Greedy)?;
+    let mut widths = Vec::new();
+    for k in 1..=5usize {
+        let shape = TreeShape::Expansion(vec![1, 1, k, 1, 1, 1, 1, 1]);
+        widths.push((format!("<1,1,{k},1,1,1,1,1>"), k, run_local(&ctx, Some(shape), VerifyMode::Greedy)?));
+    }
+    let dynamic = run_local(&ctx, Some(TreeShape::Dynamic { budget: 16 }), VerifyMode::Greedy)?;
+    report.insert("incremental".into(), incremental.to_json());
+    report.insert("tree_width".into(), json!(widths.iter().map(|(n, _, r)| json!({"tree": n, "run": r.to_json()})).collect::<Vec<_>>()));
+    report.insert("dynamic_16".into(), dynamic.to_json());
+    plot_lines(
+        &args.out.join("tree_width.svg"),
+        "Tokens per LLM pass vs tree width <1,1,k,1,1,1,1,1>",
+        "k",
+        "tokens per round",
+        &[("greedy", widths.iter().map(|(_, k, r)| (*k as f64, r.tau())).collect())],
+    )?;
+
+    eprintln!("[3] multi-step speculative sampling vs naive sampling (Table 3)");
+    let shape = TreeShape::Expansion(vec![1, 1, 3, 1]);
+    let mss = run_local(&ctx, Some(shape.clone()), VerifyMode::Stochastic)?;
+    let naive = run_local(&ctx, Some(shape), VerifyMode::Naive)?;
+    report.insert("sampling_mss".into(), mss.to_json());
+    report.insert("sampling_naive".into(), naive.to_json());
+
+    eprintln!("[5] tree-based vs sequence-based parallel decoding (Figure 11)");
+    let (tree_ms, seq_ms, paths) = tree_vs_sequence(&ctx)?;
+    report.insert("tree_vs_sequence".into(), json!({"tree_ms": tree_ms, "sequence_ms": seq_ms, "paths": paths, "speedup": seq_ms / tree_ms}));
+
+    eprintln!("[6] edge/cloud: round-trip time vs throughput (in-process delay layer)");
+    let rtts: &[u64] = if args.quick { &[0, 20, 100] } else { &[0, 5, 20, 50, 100] };
+    let mut rtt_rows = Vec::new();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let embedded = EmbeddedVerifier::start(ctx.llm.clone(), &ctx.tok, EngineConfig::default())?;
+    for &rtt in rtts {
+        let spec = rt.block_on(run_remote(&ctx, &embedded, Some(TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec())), rtt))?;
+        let inc = rt.block_on(run_remote(&ctx, &embedded, None, rtt))?;
+        rtt_rows.push((rtt, spec, inc));
+    }
+    drop(embedded);
+    report.insert(
+        "rtt".into(),
+        json!(rtt_rows.iter().map(|(rtt, s, i)| json!({"rtt_ms": rtt, "speculative": s.to_json(), "incremental": i.to_json()})).collect::<Vec<_>>()),
+    );
+    plot_lines(
+        &args.out.join("rtt.svg"),
+        "Client tokens/s vs round-trip time",
+        "round-trip time (ms)",
+        "tokens/s",
+        &[
+            ("speculative (adaptive tree)", rtt_rows.iter().map(|(r, s, _)| (*r as f64, s.tokens_per_s())).collect()),
+            ("incremental", rtt_rows.iter().map(|(r, _, i)| (*r as f64, i.tokens_per_s())).collect()),
+        ],
+    )?;
+
+    let machine = json!({
+        "cpu": std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())),
+        "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "os": std::env::consts::OS,
+        "specinfer": env!("CARGO_PKG_VERSION"),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "network": "in-process delay added by the client to each round trip (no netem)",
+        "minutes": t0.elapsed().as_secs_f64() / 60.0,
+    });
+    report.insert("machine".into(), machine);
+    let report = Value::Object(report);
+    std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
+    let md = markdown(&report, &align, &incremental, &widths, &dynamic, &mss, &naive, (tree_ms, seq_ms, paths), &rtt_rows);
+    std::fs::write(args.out.join("report.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+/// What one configuration did over all prompts.
+#[derive(Default)]
+struct Run {
+    tokens: usize,
+    rounds: usize,
+    seconds: f64,
+    verifier_seconds: f64,
+}
+
+impl Run {
+    fn tau(&self) -> f64 {
+        self.tokens as f64 / self.rounds.max(1) as f64
+    }
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+    fn to_json(&self) -> Value {
+        json!({"tokens": self.tokens, "rounds": self.rounds, "tau": self.tau(), "tokens_per_s": self.tokens_per_s(),
+               "verifier_seconds_per_token": self.verifier_seconds / self.tokens.max(1) as f64})
+    }
+}
+
+fn params(ctx: &Ctx, mode: VerifyMode, seed: u64) -> SamplingParams {
+    SamplingParams {
+        mode,
+        temperature: if mode == VerifyMode::Greedy { 0.0 } else { 0.8 },
+        top_p: 1.0,
+        top_k: 0,
+        seed,
+        max_new_tokens: ctx.max_new,
+        stop_ids: ctx.tok.eos().to_vec(),
+    }
+}
+
+/// Generation with an in-process verifier session (compute only, no network).
+fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode) -> Result<Run> {
+    let limits = Limits::default();
+    let mut run = Run::default();
+    for (i, ids) in ctx.prompts.iter().enumerate() {
+        let mut session = Session::open(&ctx.llm, ids, params(ctx, mode, i as u64), &limits)?;
+        let draft_mode = match mode {
+            VerifyMode::Greedy => DraftMode::Greedy,
+            _ => DraftMode::Sample { temperature: 0.8, top_p: 1.0, top_k: 16, draw: DrawMode::Iid },
+        };
+        let mut spec = shape.clone().map(|s| Speculator::with_shape(s, draft_mode, i as u64));
+        let mut draft = CandleDraft::new(&ctx.ssm);
+        let start = Instant::now();
+        while session.finish().is_none() {
+            let tree = match &mut spec {
+                Some(s) => s.draft(&mut draft, session.tokens())?,
+                None => TokenTree::root(session.root()),
+            };
+            let t = Instant::now();
+            let out = session.verify(&ctx.llm, &limits, &tree)?;
+            run.verifier_seconds += t.elapsed().as_secs_f64();
+            run.tokens += out.tokens.len();
+            run.rounds += 1;
+        }
+        run.seconds += start.elapsed().as_secs_f64();
+    }
+    Ok(run)
+}
+
+/// Generation over loopback QUIC against the embedded verifier, with `rtt_ms` added per round.
+async fn run_remote(ctx: &Ctx, embedded: &EmbeddedVerifier, shape: Option<TreeShape>, rtt_ms: u64) -> Result<Run> {
+    let mut client = Client::connect(embedded.remote.clone()).await?;
+    client.emulate_round_trip(Duration::from_millis(rtt_ms));
+    let mut run = Run::default();
+    for (i, ids) in ctx.prompts.iter().enumerate() {
+        let g = match &shape {
+            Some(s) => {
+                let mut speculator = Speculator::with_shape(s.clone(), DraftMode::Greedy, i as u64);
+                let mut draft = CandleDraft::new(&ctx.ssm);
+                let drafting = Drafting::Tree { speculator: &mut speculator, drafts: vec![&mut draft] };
+                client.generate(ids, params(ctx, VerifyMode::Greedy, 0), drafting, |_| {}).await?
+            }
+            None => client.generate(ids, params(ctx, VerifyMode::Greedy, 0), Drafting::None, |_| {}).await?,
+        };
+        run.tokens += g.token_ids.len();
+        run.rounds += g.rounds;
+        run.seconds += g.wall.as_secs_f64();
+        run.verifier_seconds += g.verifier_forward.as_secs_f64();
+    }
+    client.shutdown().await;
+    Ok(run)
+}
+
+/// One forward over the paper's tree vs one forward per root-to-leaf path (each path as its own
+/// sequence on a copy of the prompt's cache), averaged over the prompts.
+fn tree_vs_sequence(ctx: &Ctx) -> Result<(f64, f64, usize)> {
+    let (mut tree_s, mut seq_s, mut paths) = (0.0, 0.0, 0);
+    for ids in &ctx.prompts {
+        let mut spec = Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
+        let mut draft = CandleDraft::new(&ctx.ssm);
+        let tree = spec.draft(&mut draft, ids)?;
+        let mut base = KvCache::new(ctx.llm.config());
+        ctx.llm.prefill(&mut base, &ids[..ids.len() - 1])?;
+        let mut kv = base.clone();
+        let t = Instant::now();
+        ctx.llm.forward(&mut [SeqTree::new(&mut kv, &tree)])?;
+        tree_s += t.elapsed().as_secs_f64();
+        let children = tree.children();
+        let leaves: Vec<usize> = (0..tree.len()).filter(|&n| children[n].is_empty()).collect();
+        paths = leaves.len();
+        let t = Instant::now();
+        for leaf in leaves {
+            let tokens: Vec<u32> = tree.path_to(leaf).iter().map(|&n| tree.token(n as usize)).collect();
+            let mut kv = base.clone();
+            ctx.llm.forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&tokens))])?;
+        }
+        seq_s += t.elapsed().as_secs_f64();
+    }
+    let n = ctx.prompts.len() as f64;
+    Ok((tree_s / n * 1e3, seq_s / n * 1e3, paths))
+}
+
+fn plot_lines(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[(&str, Vec<(f64, f64)>)]) -> Result<()> {
+    let root = SVGBackend::new(path, (720, 440)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let xs = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0));
+    let ys = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1));
+    let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
+    let y1 = ys.fold(0f64, f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(x0..x1.max(x0 + 1.0), 0f64..y1.max(1.0))?;
+    chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw()?;
+    let colors = [BLUE, RED, GREEN, MAGENTA];
+    for ((name, points), color) in series.iter().zip(colors) {
+        chart.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?.label(*name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+        chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn markdown(
+    report: &Value,
+    align: &eval::Report,
+    inc: &Run,
+    widths: &[(String, usize, Run)],
+    dynamic: &Run,
+    mss: &Run,
+    naive: &Run,
+    tvs: (f64, f64, usize),
+    rtt: &[(u64, Run, Run)],
+) -> String {
+    let m = &report["machine"];
+    let mut s = format!(
+        "# specinfer benchmark\n\nMachine: {} ({} cores). Command: `{}`. Network: {}. Took {:.1} min.\n\n",
+        m["cpu"].as_str().unwrap_or("?"),
+        m["cores"],
+        m["command"].as_str().unwrap_or(""),
+        m["network"].as_str().unwrap_or(""),
+        m["minutes"].as_f64().unwrap_or(0.0)
+    );
+    s += "## 1. SSM/LLM alignment (held-out ShareGPT, greedy)\n\n| k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k |";
+    for v in align.top_k_greedy {
+        s += &format!(" {:.1}% |", v * 100.0);
+    }
+    s += "\n\n## 2 and 7. Tree width, dynamic trees, incremental (greedy, in-process verifier)\n\n| configuration | tokens per round | tokens/s | vs incremental |\n|---|---|---|---|\n";
+    s += &format!("| incremental | {:.2} | {:.1} | 1.00 |\n", inc.tau(), inc.tokens_per_s());
+    for (name, _, r) in widths {
+        s += &format!("| {name} | {:.2} | {:.1} | {:.2} |\n", r.tau(), r.tokens_per_s(), r.tokens_per_s() / inc.tokens_per_s());
+    }
+    s += &format!("| dynamic:16 | {:.2} | {:.1} | {:.2} |\n\n![tree width](tree_width.svg)\n\n", dynamic.tau(), dynamic.tokens_per_s(), dynamic.tokens_per_s() / inc.tokens_per_s());
+    s += &format!(
+        "## 3. Stochastic verification (T = 0.8, tree <1,1,3,1>)\n\n| verifier | tokens per round |\n|---|---|\n| multi-step speculative sampling | {:.2} |\n| naive sampling | {:.2} |\n\n",
+        mss.tau(),
+        naive.tau()
+    );
+    s += &format!(
+        "## 5. Tree-based vs sequence-based decoding (paper tree, {} root-to-leaf paths)\n\nOne tree forward: {:.1} ms; one forward per path: {:.1} ms; speed-up {:.2}x.\n\n",
+        tvs.2, tvs.0, tvs.1, tvs.1 / tvs.0
+    );
+    s += "## 6. Edge/cloud: round-trip time\n\n| RTT ms | speculative tokens/s | incremental tokens/s | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|\n";
+    for (r, sp, inc) in rtt {
+        s += &format!(
+            "| {r} | {:.1} | {:.1} | {:.4} | {:.4} |\n",
+            sp.tokens_per_s(),
+            inc.tokens_per_s(),
+            sp.verifier_seconds / sp.tokens.max(1) as f64,
+            inc.verifier_seconds / inc.tokens.max(1) as f64
+        );
+    }
+    s += "\n![rtt](rtt.svg)\n\nNot measured in this profile: per-token latency vs concurrent sessions (Figure 10), recursive rejection sampling, the Qwen2.5-Coder pair on HumanEval.\n";
+    s
+}
