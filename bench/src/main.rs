@@ -12,7 +12,9 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use plotters::prelude::*;
 use serde_json::{json, Value};
-use specinfer_edge::{CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape};
+use specinfer_edge::{
+    CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape,
+};
 use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree, Tokenizer};
 use specinfer_train::{data, eval, teacher};
 use specinfer_verifier::engine::EngineConfig;
@@ -20,7 +22,11 @@ use specinfer_verifier::Session;
 use specinfer_wire::{DrawMode, Limits, SamplingParams, TokenTree, VerifyMode};
 
 #[derive(Parser)]
-#[command(name = "specinfer-bench", version, about = "Reproduce the SpecInfer paper's measurements on specinfer, with plots.")]
+#[command(
+    name = "specinfer-bench",
+    version,
+    about = "Reproduce the SpecInfer paper's measurements on specinfer, with plots."
+)]
 struct Args {
     /// Small prompt counts and lengths: finishes in a few minutes.
     #[arg(long)]
@@ -47,15 +53,27 @@ fn main() -> Result<()> {
     let (n_prompts, max_new) = if args.quick { (6, 48) } else { (30, 96) };
     let llm_path = fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?;
     let (llm, tok) = load_gguf(&llm_path)?;
-    let ssm = Llama::from_safetensors(&args.ssm).with_context(|| format!("loading SSM {}", args.ssm.display()))?;
+    let ssm = Llama::from_safetensors(&args.ssm)
+        .with_context(|| format!("loading SSM {}", args.ssm.display()))?;
     std::fs::create_dir_all(&args.out)?;
 
     eprintln!("[prompts] held-out ShareGPT prompts and their teacher answers");
-    let heldout: Vec<String> = data::prompts(&fetch::cache_dir(), 1000)?.into_iter().filter(|p| data::held_out(p)).take(n_prompts).collect();
-    let teacher_file = fetch::cache_dir().join(format!("bench_teacher_{n_prompts}_{max_new}.jsonl"));
+    let heldout: Vec<String> = data::prompts(&fetch::cache_dir(), 1000)?
+        .into_iter()
+        .filter(|p| data::held_out(p))
+        .take(n_prompts)
+        .collect();
+    let teacher_file =
+        fetch::cache_dir().join(format!("bench_teacher_{n_prompts}_{max_new}.jsonl"));
     teacher::generate(&llm, &tok, &heldout, max_new as usize, 16, &teacher_file)?;
     let examples = teacher::read_examples(&teacher_file)?;
-    let ctx = Ctx { prompts: examples.iter().map(|e| e.prompt.clone()).collect(), llm: Arc::new(llm), tok, ssm, max_new };
+    let ctx = Ctx {
+        prompts: examples.iter().map(|e| e.prompt.clone()).collect(),
+        llm: Arc::new(llm),
+        tok,
+        ssm,
+        max_new,
+    };
 
     let mut report = serde_json::Map::new();
     eprintln!("[1] SSM/LLM alignment (Table 1)");
@@ -68,18 +86,38 @@ fn main() -> Result<()> {
     let mut widths = Vec::new();
     for k in 1..=5usize {
         let shape = TreeShape::Expansion(vec![1, 1, k, 1, 1, 1, 1, 1]);
-        widths.push((format!("<1,1,{k},1,1,1,1,1>"), k, run_local(&ctx, Some(shape), VerifyMode::Greedy)?));
+        widths.push((
+            format!("<1,1,{k},1,1,1,1,1>"),
+            k,
+            run_local(&ctx, Some(shape), VerifyMode::Greedy)?,
+        ));
     }
-    let dynamic = run_local(&ctx, Some(TreeShape::Dynamic { budget: 16 }), VerifyMode::Greedy)?;
+    let dynamic = run_local(
+        &ctx,
+        Some(TreeShape::Dynamic { budget: 16 }),
+        VerifyMode::Greedy,
+    )?;
     report.insert("incremental".into(), incremental.to_json());
-    report.insert("tree_width".into(), json!(widths.iter().map(|(n, _, r)| json!({"tree": n, "run": r.to_json()})).collect::<Vec<_>>()));
+    report.insert(
+        "tree_width".into(),
+        json!(widths
+            .iter()
+            .map(|(n, _, r)| json!({"tree": n, "run": r.to_json()}))
+            .collect::<Vec<_>>()),
+    );
     report.insert("dynamic_16".into(), dynamic.to_json());
     plot_lines(
         &args.out.join("tree_width.svg"),
         "Tokens per LLM pass vs tree width <1,1,k,1,1,1,1,1>",
         "k",
         "tokens per round",
-        &[("greedy", widths.iter().map(|(_, k, r)| (*k as f64, r.tau())).collect())],
+        &[(
+            "greedy",
+            widths
+                .iter()
+                .map(|(_, k, r)| (*k as f64, r.tau()))
+                .collect(),
+        )],
     )?;
 
     eprintln!("[3] multi-step speculative sampling vs naive sampling (Table 3)");
@@ -94,12 +132,23 @@ fn main() -> Result<()> {
     report.insert("tree_vs_sequence".into(), json!({"tree_ms": tree_ms, "sequence_ms": seq_ms, "paths": paths, "speedup": seq_ms / tree_ms}));
 
     eprintln!("[6] edge/cloud: round-trip time vs throughput (in-process delay layer)");
-    let rtts: &[u64] = if args.quick { &[0, 20, 100] } else { &[0, 5, 20, 50, 100] };
+    let rtts: &[u64] = if args.quick {
+        &[0, 20, 100]
+    } else {
+        &[0, 5, 20, 50, 100]
+    };
     let mut rtt_rows = Vec::new();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let embedded = EmbeddedVerifier::start(ctx.llm.clone(), &ctx.tok, EngineConfig::default())?;
     for &rtt in rtts {
-        let spec = rt.block_on(run_remote(&ctx, &embedded, Some(TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec())), rtt))?;
+        let spec = rt.block_on(run_remote(
+            &ctx,
+            &embedded,
+            Some(TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec())),
+            rtt,
+        ))?;
         let inc = rt.block_on(run_remote(&ctx, &embedded, None, rtt))?;
         rtt_rows.push((rtt, spec, inc));
     }
@@ -114,8 +163,20 @@ fn main() -> Result<()> {
         "round-trip time (ms)",
         "tokens/s",
         &[
-            ("speculative (adaptive tree)", rtt_rows.iter().map(|(r, s, _)| (*r as f64, s.tokens_per_s())).collect()),
-            ("incremental", rtt_rows.iter().map(|(r, _, i)| (*r as f64, i.tokens_per_s())).collect()),
+            (
+                "speculative (adaptive tree)",
+                rtt_rows
+                    .iter()
+                    .map(|(r, s, _)| (*r as f64, s.tokens_per_s()))
+                    .collect(),
+            ),
+            (
+                "incremental",
+                rtt_rows
+                    .iter()
+                    .map(|(r, _, i)| (*r as f64, i.tokens_per_s()))
+                    .collect(),
+            ),
         ],
     )?;
 
@@ -130,8 +191,21 @@ fn main() -> Result<()> {
     });
     report.insert("machine".into(), machine);
     let report = Value::Object(report);
-    std::fs::write(args.out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
-    let md = markdown(&report, &align, &incremental, &widths, &dynamic, &mss, &naive, (tree_ms, seq_ms, paths), &rtt_rows);
+    std::fs::write(
+        args.out.join("report.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
+    let md = markdown(
+        &report,
+        &align,
+        &incremental,
+        &widths,
+        &dynamic,
+        &mss,
+        &naive,
+        (tree_ms, seq_ms, paths),
+        &rtt_rows,
+    );
     std::fs::write(args.out.join("report.md"), &md)?;
     println!("{md}");
     Ok(())
@@ -179,9 +253,16 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode) -> Result<Ru
         let mut session = Session::open(&ctx.llm, ids, params(ctx, mode, i as u64), &limits)?;
         let draft_mode = match mode {
             VerifyMode::Greedy => DraftMode::Greedy,
-            _ => DraftMode::Sample { temperature: 0.8, top_p: 1.0, top_k: 16, draw: DrawMode::Iid },
+            _ => DraftMode::Sample {
+                temperature: 0.8,
+                top_p: 1.0,
+                top_k: 16,
+                draw: DrawMode::Iid,
+            },
         };
-        let mut spec = shape.clone().map(|s| Speculator::with_shape(s, draft_mode, i as u64));
+        let mut spec = shape
+            .clone()
+            .map(|s| Speculator::with_shape(s, draft_mode, i as u64));
         let mut draft = CandleDraft::new(&ctx.ssm);
         let start = Instant::now();
         while session.finish().is_none() {
@@ -201,7 +282,12 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode) -> Result<Ru
 }
 
 /// Generation over loopback QUIC against the embedded verifier, with `rtt_ms` added per round.
-async fn run_remote(ctx: &Ctx, embedded: &EmbeddedVerifier, shape: Option<TreeShape>, rtt_ms: u64) -> Result<Run> {
+async fn run_remote(
+    ctx: &Ctx,
+    embedded: &EmbeddedVerifier,
+    shape: Option<TreeShape>,
+    rtt_ms: u64,
+) -> Result<Run> {
     let mut client = Client::connect(embedded.remote.clone()).await?;
     client.emulate_round_trip(Duration::from_millis(rtt_ms));
     let mut run = Run::default();
@@ -210,10 +296,24 @@ async fn run_remote(ctx: &Ctx, embedded: &EmbeddedVerifier, shape: Option<TreeSh
             Some(s) => {
                 let mut speculator = Speculator::with_shape(s.clone(), DraftMode::Greedy, i as u64);
                 let mut draft = CandleDraft::new(&ctx.ssm);
-                let drafting = Drafting::Tree { speculator: &mut speculator, drafts: vec![&mut draft] };
-                client.generate(ids, params(ctx, VerifyMode::Greedy, 0), drafting, |_| {}).await?
+                let drafting = Drafting::Tree {
+                    speculator: &mut speculator,
+                    drafts: vec![&mut draft],
+                };
+                client
+                    .generate(ids, params(ctx, VerifyMode::Greedy, 0), drafting, |_| {})
+                    .await?
             }
-            None => client.generate(ids, params(ctx, VerifyMode::Greedy, 0), Drafting::None, |_| {}).await?,
+            None => {
+                client
+                    .generate(
+                        ids,
+                        params(ctx, VerifyMode::Greedy, 0),
+                        Drafting::None,
+                        |_| {},
+                    )
+                    .await?
+            }
         };
         run.tokens += g.token_ids.len();
         run.rounds += g.rounds;
@@ -239,13 +339,20 @@ fn tree_vs_sequence(ctx: &Ctx) -> Result<(f64, f64, usize)> {
         ctx.llm.forward(&mut [SeqTree::new(&mut kv, &tree)])?;
         tree_s += t.elapsed().as_secs_f64();
         let children = tree.children();
-        let leaves: Vec<usize> = (0..tree.len()).filter(|&n| children[n].is_empty()).collect();
+        let leaves: Vec<usize> = (0..tree.len())
+            .filter(|&n| children[n].is_empty())
+            .collect();
         paths = leaves.len();
         let t = Instant::now();
         for leaf in leaves {
-            let tokens: Vec<u32> = tree.path_to(leaf).iter().map(|&n| tree.token(n as usize)).collect();
+            let tokens: Vec<u32> = tree
+                .path_to(leaf)
+                .iter()
+                .map(|&n| tree.token(n as usize))
+                .collect();
             let mut kv = base.clone();
-            ctx.llm.forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&tokens))])?;
+            ctx.llm
+                .forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&tokens))])?;
         }
         seq_s += t.elapsed().as_secs_f64();
     }
@@ -253,7 +360,13 @@ fn tree_vs_sequence(ctx: &Ctx) -> Result<(f64, f64, usize)> {
     Ok((tree_s / n * 1e3, seq_s / n * 1e3, paths))
 }
 
-fn plot_lines(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[(&str, Vec<(f64, f64)>)]) -> Result<()> {
+fn plot_lines(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(&str, Vec<(f64, f64)>)],
+) -> Result<()> {
     let root = SVGBackend::new(path, (720, 440)).into_drawing_area();
     root.fill(&WHITE)?;
     let xs = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0));
@@ -266,13 +379,24 @@ fn plot_lines(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[
         .x_label_area_size(40)
         .y_label_area_size(56)
         .build_cartesian_2d(x0..x1.max(x0 + 1.0), 0f64..y1.max(1.0))?;
-    chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw()?;
+    chart
+        .configure_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .draw()?;
     let colors = [BLUE, RED, GREEN, MAGENTA];
     for ((name, points), color) in series.iter().zip(colors) {
-        chart.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?.label(*name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+        chart
+            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }
@@ -303,11 +427,25 @@ fn markdown(
         s += &format!(" {:.1}% |", v * 100.0);
     }
     s += "\n\n## 2 and 7. Tree width, dynamic trees, incremental (greedy, in-process verifier)\n\n| configuration | tokens per round | tokens/s | vs incremental |\n|---|---|---|---|\n";
-    s += &format!("| incremental | {:.2} | {:.1} | 1.00 |\n", inc.tau(), inc.tokens_per_s());
+    s += &format!(
+        "| incremental | {:.2} | {:.1} | 1.00 |\n",
+        inc.tau(),
+        inc.tokens_per_s()
+    );
     for (name, _, r) in widths {
-        s += &format!("| {name} | {:.2} | {:.1} | {:.2} |\n", r.tau(), r.tokens_per_s(), r.tokens_per_s() / inc.tokens_per_s());
+        s += &format!(
+            "| {name} | {:.2} | {:.1} | {:.2} |\n",
+            r.tau(),
+            r.tokens_per_s(),
+            r.tokens_per_s() / inc.tokens_per_s()
+        );
     }
-    s += &format!("| dynamic:16 | {:.2} | {:.1} | {:.2} |\n\n![tree width](tree_width.svg)\n\n", dynamic.tau(), dynamic.tokens_per_s(), dynamic.tokens_per_s() / inc.tokens_per_s());
+    s += &format!(
+        "| dynamic:16 | {:.2} | {:.1} | {:.2} |\n\n![tree width](tree_width.svg)\n\n",
+        dynamic.tau(),
+        dynamic.tokens_per_s(),
+        dynamic.tokens_per_s() / inc.tokens_per_s()
+    );
     s += &format!(
         "## 3. Stochastic verification (T = 0.8, tree <1,1,3,1>)\n\n| verifier | tokens per round |\n|---|---|\n| multi-step speculative sampling | {:.2} |\n| naive sampling | {:.2} |\n\n",
         mss.tau(),

@@ -177,7 +177,10 @@ fn main() -> Result<()> {
     let new_points = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
     // The loss curve of earlier (interrupted) runs lives beside the checkpoint.
     let curve_file = work.join("loss_curve.json");
-    let mut curve: Vec<f32> = std::fs::read_to_string(&curve_file).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default();
+    let mut curve: Vec<f32> = std::fs::read_to_string(&curve_file)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default();
     curve.truncate(start / 25);
     curve.extend(new_points);
     std::fs::write(&curve_file, serde_json::to_string(&curve)?)?;

@@ -85,8 +85,8 @@ struct CommonArgs {
     /// The LLM's GGUF (for its tokenizer, and for the embedded verifier); default: SmolLM2-135M-Instruct Q4_1.
     #[arg(long)]
     llm: Option<PathBuf>,
-    /// Draft model: a folder with model.safetensors + config.json + tokenizer.json (as written
-    /// by specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
+    /// Draft model: a folder with model.safetensors + config.json (as written by
+    /// specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
     /// acceptance, not speed). Repeat to draft with several models and merge their trees.
     #[arg(long, default_value = DEFAULT_SSM)]
     ssm: Vec<String>,
@@ -99,15 +99,19 @@ struct CommonArgs {
     /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
     #[arg(long, default_value = "greedy")]
     mode: String,
+    /// Most tokens to generate per answer.
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
     /// Sampling temperature (sample mode).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
+    /// Nucleus sampling mass (sample mode); 1 disables.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Sample only among the k most likely tokens (sample mode); 0 disables.
     #[arg(long, default_value_t = 0)]
     top_k: u32,
+    /// Seed of the verifier's sampling RNG (sample mode): same seed, same output.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Do not apply the chat template.
