@@ -103,11 +103,21 @@ impl Session {
         self.cache.bytes()
     }
 
-    fn check(&self, tree: &TokenTree, vocab: u32, limits: &Limits) -> Result<(), SessionError> {
+    fn check(&self, model: &Llama, tree: &TokenTree, limits: &Limits) -> Result<(), SessionError> {
         if let Some(f) = self.finish {
             return Err(SessionError::Finished(f));
         }
-        tree.validate(vocab, limits)?;
+        tree.validate(model.config().vocab_size as u32, limits)?;
+        // Checked here, per session, so one sequence at the end of its context never fails the
+        // batched forward of the others.
+        let needed =
+            self.cache.committed() + tree.depths().into_iter().max().unwrap_or(0) as usize + 1;
+        if needed > model.config().max_positions {
+            return Err(SessionError::Model(ModelError::ContextFull {
+                needed,
+                limit: model.config().max_positions,
+            }));
+        }
         if tree.token(0) != self.root() {
             return Err(SessionError::WrongRoot {
                 got: tree.token(0),
@@ -170,10 +180,9 @@ pub fn verify_batch(
     limits: &Limits,
     work: &mut [(&mut Session, &TokenTree)],
 ) -> Vec<Result<RoundOutcome, SessionError>> {
-    let vocab = model.config().vocab_size as u32;
     let mut results: Vec<Option<Result<RoundOutcome, SessionError>>> = work
         .iter()
-        .map(|(s, tree)| s.check(tree, vocab, limits).err().map(Err))
+        .map(|(s, tree)| s.check(model, tree, limits).err().map(Err))
         .collect();
     let runnable: Vec<bool> = results.iter().map(Option::is_none).collect();
     if runnable.iter().any(|&r| r) {
