@@ -17,7 +17,8 @@ use specinfer_wire::{ErrorCode, Limits, RoundStats, SamplingParams, TokenTree};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
-use crate::{verify_batch, RoundOutcome, Session};
+use crate::session::{run_batch, Done, Work};
+use crate::{RoundOutcome, Session, SessionError};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -190,6 +191,18 @@ struct Entry {
     resume_token: [u8; 16],
     last_used: Instant,
     detached_at: Option<Instant>,
+    /// While the prompt is being prefilled: who waits for the session, and since when.
+    opening: Option<(oneshot::Sender<Result<Opened, EngineError>>, Instant)>,
+}
+
+/// Prompt tokens the oldest opening session prefills per iteration even when verification
+/// rounds fill the node budget, so a prefill always progresses.
+const MIN_PREFILL_CHUNK: usize = 32;
+
+/// One session's share of an iteration.
+enum Job {
+    Verify(PendingVerify),
+    Prefill(usize),
 }
 
 struct PendingVerify {
@@ -250,7 +263,7 @@ impl Engine {
     fn run(mut self, rx: Receiver<Request>) {
         let mut stopping = false;
         loop {
-            if self.pending.is_empty() {
+            if self.pending.is_empty() && !self.prefilling() {
                 if stopping {
                     break;
                 }
@@ -278,9 +291,16 @@ impl Engine {
                 prompt,
                 params,
                 reply,
-            } => {
-                let _ = reply.send(self.open(prompt, params));
-            }
+            } => match self.open(prompt, params) {
+                // Answered when the prompt's prefill completes (see `iteration`).
+                Ok(id) => {
+                    let e = self.sessions.get_mut(&id).expect("just opened");
+                    e.opening = Some((reply, Instant::now()));
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
             Request::Resume { token, reply } => {
                 let found = self
                     .sessions
@@ -333,7 +353,11 @@ impl Engine {
         self.sessions.values().map(|e| e.session.kv_bytes()).sum()
     }
 
-    fn open(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<Opened, EngineError> {
+    fn prefilling(&self) -> bool {
+        self.sessions.values().any(|e| e.opening.is_some())
+    }
+
+    fn open(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SessionId, EngineError> {
         if self.sessions.len() >= self.cfg.max_sessions {
             return Err(EngineError::busy(format!(
                 "all {} sessions are in use",
@@ -369,12 +393,8 @@ impl Engine {
         if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
             return Err(EngineError::busy("the verifier's KV memory is full"));
         }
-        let t = Instant::now();
-        let session = Session::open(&self.model, &prompt, params, &self.cfg.limits)
+        let session = Session::new(&self.model, &prompt, params, &self.cfg.limits)
             .map_err(|e| EngineError::new(ErrorCode::BadFrame, e.to_string()))?;
-        self.metrics
-            .prefill_seconds
-            .observe(t.elapsed().as_secs_f64());
         let id = self.next_id;
         self.next_id += 1;
         let resume_token = self.resume_token(id);
@@ -385,6 +405,7 @@ impl Engine {
                 resume_token,
                 last_used: Instant::now(),
                 detached_at: None,
+                opening: None,
             },
         );
         self.metrics.sessions_opened.fetch_add(1, Ordering::Relaxed);
@@ -392,7 +413,7 @@ impl Engine {
             .sessions_active
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::debug!(id, prompt = prompt.len(), "session opened");
-        Ok(Opened { id, resume_token })
+        Ok(id)
     }
 
     fn resume_token(&self, id: SessionId) -> [u8; 16] {
@@ -413,18 +434,17 @@ impl Engine {
         }
     }
 
-    /// One continuous-batching iteration.
+    /// One continuous-batching iteration: verification rounds first (FIFO, one per session,
+    /// under the node budget), then prompt prefill chunks with what the budget leaves, all in ONE
+    /// batched forward.
     fn iteration(&mut self) {
-        if self.pending.is_empty() {
-            return;
-        }
-        let mut batch: Vec<PendingVerify> = Vec::new();
+        let mut jobs: Vec<(SessionId, Job)> = Vec::new();
         let mut nodes = 0;
         let mut deferred = VecDeque::new();
         while let Some(p) = self.pending.pop_front() {
-            let fits = batch.is_empty() || nodes + p.tree.len() <= self.cfg.batch_node_budget;
+            let fits = jobs.is_empty() || nodes + p.tree.len() <= self.cfg.batch_node_budget;
             // One round per session per forward: a second tree needs the first one's outcome.
-            if !fits || batch.iter().any(|b| b.id == p.id) {
+            if !fits || jobs.iter().any(|(id, _)| *id == p.id) {
                 deferred.push_back(p);
                 continue;
             }
@@ -436,61 +456,120 @@ impl Engine {
                 continue;
             }
             nodes += p.tree.len();
-            batch.push(p);
+            jobs.push((p.id, Job::Verify(p)));
         }
         // Deferred requests keep their place at the front: FIFO, so nobody starves.
         self.pending = deferred;
+        let mut opening: Vec<(SessionId, usize)> = self
+            .sessions
+            .iter()
+            .filter(|(id, e)| e.opening.is_some() && !jobs.iter().any(|(j, _)| j == *id))
+            .map(|(&id, e)| (id, e.session.prefill_pending()))
+            .collect();
+        opening.sort_unstable();
+        let mut left = self.cfg.batch_node_budget.saturating_sub(nodes);
+        for (id, pending) in opening {
+            let take = pending.min(left.max(MIN_PREFILL_CHUNK));
+            jobs.push((id, Job::Prefill(take)));
+            left = left.saturating_sub(take);
+            if left == 0 {
+                break;
+            }
+        }
+        if jobs.is_empty() {
+            return;
+        }
 
         let started = Instant::now();
-        // Sessions leave the table for the forward so each can be borrowed mutably; sorting the
-        // batch by id pairs every request with its session.
-        batch.sort_unstable_by_key(|b| b.id);
-        let mut entries: Vec<(SessionId, Entry)> = batch
+        // Sessions leave the table for the forward so each can be borrowed mutably.
+        let mut entries: Vec<Entry> = jobs
             .iter()
-            .map(|b| (b.id, self.sessions.remove(&b.id).expect("checked above")))
+            .map(|(id, _)| self.sessions.remove(id).expect("checked above"))
             .collect();
         let results = {
-            let mut work: Vec<(&mut Session, &TokenTree)> = entries
+            let mut work: Vec<(&mut Session, Work)> = entries
                 .iter_mut()
-                .zip(&batch)
-                .map(|((_, e), b)| (&mut e.session, &b.tree))
+                .zip(&jobs)
+                .map(|(e, (_, job))| {
+                    let w = match job {
+                        Job::Verify(p) => Work::Verify(&p.tree),
+                        Job::Prefill(n) => Work::Prefill { max_tokens: *n },
+                    };
+                    (&mut e.session, w)
+                })
                 .collect();
-            verify_batch(&self.model, &self.cfg.limits, &mut work)
+            run_batch(&self.model, &self.cfg.limits, &mut work)
         };
         let forward = started.elapsed();
-        self.metrics.batch_size.observe(batch.len() as f64);
+        let rounds = jobs
+            .iter()
+            .filter(|(_, j)| matches!(j, Job::Verify(_)))
+            .count() as u32;
+        self.metrics.batch_size.observe(jobs.len() as f64);
         self.metrics.forward_seconds.observe(forward.as_secs_f64());
         self.metrics.batches.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        for (id, mut e) in entries.drain(..) {
+        for (((id, job), mut e), result) in jobs.into_iter().zip(entries).zip(results) {
             e.last_used = now;
-            self.sessions.insert(id, e);
-        }
-        let batch_len = batch.len() as u32;
-        for (p, result) in batch.into_iter().zip(results) {
-            let queue = started.duration_since(p.enqueued);
-            self.metrics.queue_seconds.observe(queue.as_secs_f64());
-            let reply = match result {
-                Ok(outcome) => {
-                    self.metrics.record_round(&outcome);
-                    let stats = RoundStats {
-                        tree_nodes: p.tree.len() as u32,
-                        batch_size: batch_len,
-                        queue_us: queue.as_micros().min(u32::MAX as u128) as u32,
-                        forward_us: forward.as_micros().min(u32::MAX as u128) as u32,
+            match job {
+                Job::Verify(p) => {
+                    let queue = started.duration_since(p.enqueued);
+                    self.metrics.queue_seconds.observe(queue.as_secs_f64());
+                    let reply = match result {
+                        Ok(Done::Round(outcome)) => {
+                            self.metrics.record_round(&outcome);
+                            let stats = RoundStats {
+                                tree_nodes: p.tree.len() as u32,
+                                batch_size: rounds,
+                                queue_us: queue.as_micros().min(u32::MAX as u128) as u32,
+                                forward_us: forward.as_micros().min(u32::MAX as u128) as u32,
+                            };
+                            Ok(Round { outcome, stats })
+                        }
+                        Ok(Done::Prefilled { .. }) => {
+                            unreachable!("verification work yields rounds")
+                        }
+                        Err(e) => {
+                            let code = match e {
+                                SessionError::Finished(_) | SessionError::Prefilling => {
+                                    ErrorCode::OutOfOrder
+                                }
+                                SessionError::Model(_) => ErrorCode::Internal,
+                                _ => ErrorCode::BadFrame,
+                            };
+                            Err(EngineError::new(code, e.to_string()))
+                        }
                     };
-                    Ok(Round { outcome, stats })
+                    let _ = p.reply.send(reply);
+                    self.sessions.insert(id, e);
                 }
-                Err(e) => {
-                    let code = match e {
-                        crate::SessionError::Finished(_) => ErrorCode::OutOfOrder,
-                        crate::SessionError::Model(_) => ErrorCode::Internal,
-                        _ => ErrorCode::BadFrame,
-                    };
-                    Err(EngineError::new(code, e.to_string()))
-                }
-            };
-            let _ = p.reply.send(reply);
+                Job::Prefill(_) => match result {
+                    Ok(Done::Prefilled { pending: 0 }) => {
+                        if let Some((reply, since)) = e.opening.take() {
+                            self.metrics
+                                .prefill_seconds
+                                .observe(since.elapsed().as_secs_f64());
+                            let _ = reply.send(Ok(Opened {
+                                id,
+                                resume_token: e.resume_token,
+                            }));
+                        }
+                        self.sessions.insert(id, e);
+                    }
+                    Ok(_) => {
+                        self.sessions.insert(id, e);
+                    }
+                    Err(err) => {
+                        if let Some((reply, _)) = e.opening.take() {
+                            let _ = reply
+                                .send(Err(EngineError::new(ErrorCode::Internal, err.to_string())));
+                        }
+                        self.metrics
+                            .sessions_active
+                            .store(self.sessions.len() as u64, Ordering::Relaxed);
+                    }
+                },
+            }
         }
     }
 

@@ -23,6 +23,8 @@ pub enum SessionError {
     Finished(FinishReason),
     #[error("model: {0}")]
     Model(#[from] ModelError),
+    #[error("the prompt is still being prefilled")]
+    Prefilling,
 }
 
 /// What one verification round produced.
@@ -49,8 +51,10 @@ pub struct Session {
 }
 
 impl Session {
-    /// Prefills all prompt tokens but the last, which becomes the first round's root.
-    pub fn open(
+    /// A session whose prompt (all but its last token, the first round's root) is still to be
+    /// prefilled, in chunks, by [`run_batch`] with [`Work::Prefill`]: a long prompt then shares
+    /// forward passes with other sessions' rounds instead of stalling them.
+    pub fn new(
         model: &Llama,
         prompt: &[u32],
         params: SamplingParams,
@@ -63,19 +67,39 @@ impl Session {
                 ..*limits
             },
         )?;
-        let mut cache = KvCache::new(model.config());
-        if prompt.len() > 1 {
-            model.prefill(&mut cache, &prompt[..prompt.len() - 1])?;
-        }
-        let rng = ChaCha8Rng::seed_from_u64(params.seed);
         Ok(Session {
+            rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
-            cache,
+            cache: KvCache::new(model.config()),
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
-            rng,
             finish: None,
         })
+    }
+
+    /// A session with its whole prompt prefilled at once (for use outside the batching engine).
+    pub fn open(
+        model: &Llama,
+        prompt: &[u32],
+        params: SamplingParams,
+        limits: &Limits,
+    ) -> Result<Self, SessionError> {
+        let mut s = Self::new(model, prompt, params, limits)?;
+        let n = s.prefill_pending();
+        if n > 0 {
+            run_batch(
+                model,
+                limits,
+                &mut [(&mut s, Work::Prefill { max_tokens: n })],
+            )
+            .remove(0)?;
+        }
+        Ok(s)
+    }
+
+    /// Prompt tokens not yet in the KV cache.
+    pub fn prefill_pending(&self) -> usize {
+        self.tokens.len() - 1 - self.cache.committed()
     }
 
     /// The token the next tree must have as its root.
@@ -106,6 +130,9 @@ impl Session {
     fn check(&self, model: &Llama, tree: &TokenTree, limits: &Limits) -> Result<(), SessionError> {
         if let Some(f) = self.finish {
             return Err(SessionError::Finished(f));
+        }
+        if self.prefill_pending() > 0 {
+            return Err(SessionError::Prefilling);
         }
         tree.validate(model.config().vocab_size as u32, limits)?;
         // Checked here, per session, so one sequence at the end of its context never fails the
@@ -173,24 +200,71 @@ impl Session {
     }
 }
 
-/// Verifies several sessions' trees in ONE batched forward. A session whose tree is refused gets
-/// its error; the others go on.
-pub fn verify_batch(
+/// What a session contributes to a batched forward.
+pub enum Work<'t> {
+    /// A verification round over this tree.
+    Verify(&'t TokenTree),
+    /// The next chunk (at most `max_tokens`) of the prompt's prefill.
+    Prefill { max_tokens: usize },
+}
+
+/// What a session's share of a batched forward produced.
+#[derive(Debug)]
+pub enum Done {
+    Round(RoundOutcome),
+    /// Prompt tokens still to prefill after this chunk.
+    Prefilled {
+        pending: usize,
+    },
+}
+
+/// Runs several sessions' work (verification trees and prefill chunks) in ONE batched forward.
+/// A session whose work is refused gets its error; the others go on.
+pub fn run_batch(
     model: &Llama,
     limits: &Limits,
-    work: &mut [(&mut Session, &TokenTree)],
-) -> Vec<Result<RoundOutcome, SessionError>> {
-    let mut results: Vec<Option<Result<RoundOutcome, SessionError>>> = work
+    work: &mut [(&mut Session, Work)],
+) -> Vec<Result<Done, SessionError>> {
+    // Prefill chunks become chain trees; verification trees are used as given.
+    let chains: Vec<Option<TokenTree>> = work
         .iter()
-        .map(|(s, tree)| s.check(model, tree, limits).err().map(Err))
+        .map(|(s, w)| match w {
+            Work::Prefill { max_tokens } if s.prefill_pending() > 0 => {
+                let start = s.cache.committed();
+                let end = start + s.prefill_pending().min((*max_tokens).max(1));
+                Some(TokenTree::chain(&s.tokens[start..end]))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut results: Vec<Option<Result<Done, SessionError>>> = work
+        .iter()
+        .zip(&chains)
+        .map(|((s, w), chain)| match (w, chain) {
+            (Work::Verify(tree), _) => s.check(model, tree, limits).err().map(Err),
+            (Work::Prefill { .. }, None) => Some(Ok(Done::Prefilled { pending: 0 })),
+            (Work::Prefill { .. }, Some(_)) => None,
+        })
         .collect();
     let runnable: Vec<bool> = results.iter().map(Option::is_none).collect();
     if runnable.iter().any(|&r| r) {
+        let trees: Vec<&TokenTree> = work
+            .iter()
+            .zip(&chains)
+            .zip(&runnable)
+            .filter(|(_, &r)| r)
+            .map(|((w, chain), _)| match (&w.1, chain) {
+                (Work::Verify(t), _) => *t,
+                (_, Some(c)) => c,
+                _ => unreachable!("only runnable work reaches the forward"),
+            })
+            .collect();
         let mut batch: Vec<SeqTree> = work
             .iter_mut()
             .zip(&runnable)
             .filter(|(_, &r)| r)
-            .map(|((s, tree), _)| SeqTree::new(&mut s.cache, tree))
+            .zip(&trees)
+            .map(|(((s, _), _), tree)| SeqTree::new(&mut s.cache, tree))
             .collect();
         let forward = model.forward(&mut batch);
         drop(batch);
@@ -202,9 +276,19 @@ pub fn verify_batch(
             .map(|(x, _)| x);
         match forward {
             Ok(logits) => {
-                for (((s, tree), result), l) in chosen.zip(&logits) {
-                    let verdict = s.decide(tree, l);
-                    *result = Some(Ok(s.commit(tree, verdict)));
+                for ((((s, w), result), l), tree) in chosen.zip(&logits).zip(&trees) {
+                    *result = Some(Ok(match w {
+                        Work::Verify(_) => {
+                            let verdict = s.decide(tree, l);
+                            Done::Round(s.commit(tree, verdict))
+                        }
+                        Work::Prefill { .. } => {
+                            s.cache.compact(&(0..tree.len() as u32).collect::<Vec<_>>());
+                            Done::Prefilled {
+                                pending: s.prefill_pending(),
+                            }
+                        }
+                    }));
                 }
             }
             Err(e) => {
@@ -222,6 +306,25 @@ pub fn verify_batch(
     results
         .into_iter()
         .map(|r| r.expect("every entry decided"))
+        .collect()
+}
+
+/// Verifies several sessions' trees in ONE batched forward (see [`run_batch`]).
+pub fn verify_batch(
+    model: &Llama,
+    limits: &Limits,
+    work: &mut [(&mut Session, &TokenTree)],
+) -> Vec<Result<RoundOutcome, SessionError>> {
+    let mut w: Vec<(&mut Session, Work)> = work
+        .iter_mut()
+        .map(|(s, t)| (&mut **s, Work::Verify(t)))
+        .collect();
+    run_batch(model, limits, &mut w)
+        .into_iter()
+        .map(|r| match r? {
+            Done::Round(o) => Ok(o),
+            Done::Prefilled { .. } => unreachable!("verification work yields rounds"),
+        })
         .collect()
 }
 
