@@ -39,17 +39,19 @@ struct RunArgs {
     #[arg(long)]
     llm: Option<PathBuf>,
     /// Training prompts answered by the teacher.
-    #[arg(long, default_value_t = 1200)]
+    #[arg(long, default_value_t = 2000)]
     prompts: usize,
     /// Held-out prompts for evaluation.
-    #[arg(long, default_value_t = 80)]
+    #[arg(long, default_value_t = 60)]
     heldout: usize,
     /// Tokens per teacher answer.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 96)]
     max_new: usize,
-    #[arg(long, default_value_t = 16)]
+    /// Prompts the teacher answers per batched forward.
+    #[arg(long, default_value_t = 32)]
     teacher_batch: usize,
-    #[arg(long, default_value_t = 1200)]
+    /// Optimiser steps (batches of `batch` sequences).
+    #[arg(long, default_value_t = 1500)]
     steps: usize,
     #[arg(long, default_value_t = 16)]
     batch: usize,
