@@ -4,6 +4,8 @@
 
 use rayon::prelude::*;
 
+use crate::quant::dot8 as dot;
+
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
@@ -102,24 +104,6 @@ pub fn tree_attention(
             let inv = 1.0 / denom;
             o.iter_mut().for_each(|x| *x *= inv);
         });
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociating freely; the
-    // order is fixed, so results are reproducible.
-    let mut s = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            s[l] += a[c * 8 + l] * b[c * 8 + l];
-        }
-    }
-    let mut tail = 0f32;
-    for j in chunks * 8..a.len() {
-        tail += a[j] * b[j];
-    }
-    ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + tail
 }
 
 #[cfg(test)]

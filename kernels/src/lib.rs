@@ -9,4 +9,4 @@ pub mod quant;
 pub mod sampling;
 
 pub use attention::{tree_attention, AttentionShape};
-pub use quant::{QuantFormat, QuantMatrix};
+pub use quant::{F32Matrix, QuantFormat, QuantMatrix};

@@ -472,3 +472,74 @@ mod tests {
         }
     }
 }
+
+/// A plain f32 `[rows, cols]` weight matrix with the same loop structure as [`QuantMatrix`]:
+/// weights read once per call, a row's result independent of the batch. Used for small draft
+/// models and f32/f16/bf16 checkpoints, where calling into a tensor library costs more than the
+/// arithmetic.
+pub struct F32Matrix {
+    rows: usize,
+    cols: usize,
+    w: Vec<f32>,
+}
+
+impl F32Matrix {
+    pub fn new(rows: usize, cols: usize, w: Vec<f32>) -> Self {
+        assert_eq!(w.len(), rows * cols, "weights are not [rows, cols]");
+        F32Matrix { rows, cols, w }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// `out[i, r] = sum_c x[i, c] * W[r, c]`; `x` is `[n, cols]`, `out` is `[n, rows]`.
+    pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
+        assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
+        let row = |r: usize, dst: &mut [f32]| {
+            let w = &self.w[r * self.cols..(r + 1) * self.cols];
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = dot8(w, &x[i * self.cols..(i + 1) * self.cols]);
+            }
+        };
+        let mut tr = vec![0f32; self.rows * n];
+        // Below about a million multiply-adds the thread pool costs more than it saves.
+        if self.rows * self.cols * n < 1 << 20 {
+            tr.chunks_mut(n)
+                .enumerate()
+                .for_each(|(r, dst)| row(r, dst));
+        } else {
+            const CHUNK: usize = 32;
+            tr.par_chunks_mut(CHUNK * n)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    for (k, dst) in chunk.chunks_mut(n).enumerate() {
+                        row(c * CHUNK + k, dst);
+                    }
+                });
+        }
+        for (r, col) in tr.chunks(n).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                out[i * self.rows + r] = v;
+            }
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators in a fixed order (vectorises, reproducible).
+#[inline]
+pub fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            s[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut tail = 0f32;
+    for j in chunks * 8..a.len() {
+        tail += a[j] * b[j];
+    }
+    hsum8(s) + tail
+}

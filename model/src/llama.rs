@@ -2,7 +2,7 @@
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use specinfer_kernels::{tree_attention, AttentionShape, QuantFormat, QuantMatrix};
+use specinfer_kernels::{tree_attention, AttentionShape, F32Matrix, QuantFormat, QuantMatrix};
 use specinfer_wire::TokenTree;
 
 use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
@@ -11,12 +11,26 @@ use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
 /// (weights read once per forward whatever the node count, batch invariant), candle for the rest.
 pub(crate) enum Weight {
     Quant(QuantMatrix),
+    F32(F32Matrix),
     Candle(QMatMul),
 }
 
 impl Weight {
     /// Chooses the kernel for a GGML tensor. `SPECINFER_MATMUL=candle` forces candle's kernels
     /// (for before/after measurements).
+    /// An unquantized `[out, in]` weight (from safetensors): our kernel, unless candle is forced.
+    pub(crate) fn from_f32(t: Tensor) -> Result<Weight> {
+        let candle_forced = std::env::var("SPECINFER_MATMUL").is_ok_and(|v| v == "candle");
+        match t.dims() {
+            &[rows, cols] if !candle_forced => Ok(Weight::F32(F32Matrix::new(
+                rows,
+                cols,
+                t.flatten_all()?.to_vec1()?,
+            ))),
+            _ => Ok(Weight::Candle(QMatMul::Tensor(t))),
+        }
+    }
+
     pub(crate) fn from_qtensor(t: QTensor) -> Result<Weight> {
         let format = match t.dtype() {
             GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
@@ -51,6 +65,11 @@ impl Linear {
     fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut y = match &self.w {
             Weight::Quant(m) => {
+                let mut y = vec![0f32; rows * m.rows()];
+                m.matmul(x, rows, &mut y);
+                y
+            }
+            Weight::F32(m) => {
                 let mut y = vec![0f32; rows * m.rows()];
                 m.matmul(x, rows, &mut y);
                 y

@@ -7,7 +7,7 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 
 use crate::llama::{Layer, Linear, Weight};
@@ -263,7 +263,7 @@ impl Llama {
         let embed = embed_t.flatten_all()?.to_vec1::<f32>()?;
         let lm_head = if tie {
             Linear {
-                w: Weight::Candle(QMatMul::Tensor(embed_t)),
+                w: Weight::from_f32(embed_t)?,
                 b: None,
             }
         } else {
@@ -393,7 +393,7 @@ impl WeightSource for Weights {
         let t = self.take(name)?;
         match self.quantize {
             Some(dtype) => Weight::from_qtensor(QTensor::quantize(&t, dtype)?),
-            None => Ok(Weight::Candle(QMatMul::Tensor(t))),
+            None => Weight::from_f32(t),
         }
     }
 
