@@ -119,10 +119,6 @@ impl Session {
         self.finish
     }
 
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
     pub fn kv_bytes(&self) -> usize {
         self.cache.bytes()
     }

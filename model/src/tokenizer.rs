@@ -172,10 +172,6 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
-    }
-
     pub fn bos(&self) -> Option<u32> {
         self.bos
     }
