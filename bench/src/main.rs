@@ -13,7 +13,7 @@ use clap::Parser;
 use plotters::prelude::*;
 use serde_json::{json, Value};
 use specinfer_edge::{
-    CandleDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape,
+    CachedDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape,
 };
 use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree, Tokenizer};
 use specinfer_train::{data, eval, teacher};
@@ -263,7 +263,7 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode) -> Result<Ru
         let mut spec = shape
             .clone()
             .map(|s| Speculator::with_shape(s, draft_mode, i as u64));
-        let mut draft = CandleDraft::new(&ctx.ssm);
+        let mut draft = CachedDraft::new(&ctx.ssm);
         let start = Instant::now();
         while session.finish().is_none() {
             let tree = match &mut spec {
@@ -295,7 +295,7 @@ async fn run_remote(
         let g = match &shape {
             Some(s) => {
                 let mut speculator = Speculator::with_shape(s.clone(), DraftMode::Greedy, i as u64);
-                let mut draft = CandleDraft::new(&ctx.ssm);
+                let mut draft = CachedDraft::new(&ctx.ssm);
                 let drafting = Drafting::Tree {
                     speculator: &mut speculator,
                     drafts: vec![&mut draft],
@@ -330,7 +330,7 @@ fn tree_vs_sequence(ctx: &Ctx) -> Result<(f64, f64, usize)> {
     let (mut tree_s, mut seq_s, mut paths) = (0.0, 0.0, 0);
     for ids in &ctx.prompts {
         let mut spec = Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
-        let mut draft = CandleDraft::new(&ctx.ssm);
+        let mut draft = CachedDraft::new(&ctx.ssm);
         let tree = spec.draft(&mut draft, ids)?;
         let mut base = KvCache::new(ctx.llm.config());
         ctx.llm.prefill(&mut base, &ids[..ids.len() - 1])?;

@@ -13,9 +13,43 @@ pub trait DraftModel {
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError>;
 }
 
-/// A `specinfer-model` transformer (GGUF or safetensors) as the draft model.
-pub struct CandleDraft<'m> {
-    model: &'m Llama,
+/// The compute half of a draft model: scores tree nodes on top of a KV cache that the caller
+/// owns, so one loaded model serves many concurrent drafts.
+pub trait TreeScorer: Sync {
+    fn new_cache(&self) -> KvCache;
+    /// Logits (whole vocabulary) of nodes `first..` of `tree`; afterwards the cache's scratch
+    /// region holds the tree's nodes `0..tree.len()`.
+    fn score(
+        &self,
+        cache: &mut KvCache,
+        tree: &TokenTree,
+        first: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError>;
+}
+
+impl TreeScorer for Llama {
+    fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config())
+    }
+
+    fn score(
+        &self,
+        cache: &mut KvCache,
+        tree: &TokenTree,
+        first: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let out = self
+            .forward(&mut [SeqTree { cache, tree, first }])?
+            .remove(0);
+        Ok((0..out.nodes()).map(|i| out.node(i).to_vec()).collect())
+    }
+}
+
+/// A draft model from any [`TreeScorer`] (the `specinfer-model` transformer, or an ONNX export
+/// through ONNX Runtime) plus its cache, kept in step with the committed tokens: after a round
+/// the accepted path moves from the scratch region into place instead of being recomputed.
+pub struct CachedDraft<'m> {
+    model: &'m dyn TreeScorer,
     cache: KvCache,
     /// Tokens whose K/V are committed in `cache`.
     cached: Vec<u32>,
@@ -23,18 +57,18 @@ pub struct CandleDraft<'m> {
     scratch_tree: Option<TokenTree>,
 }
 
-impl<'m> CandleDraft<'m> {
-    pub fn new(model: &'m Llama) -> Self {
-        CandleDraft {
+impl<'m> CachedDraft<'m> {
+    pub fn new(model: &'m dyn TreeScorer) -> Self {
+        CachedDraft {
             model,
-            cache: KvCache::new(model.config()),
+            cache: model.new_cache(),
             cached: Vec::new(),
             scratch_tree: None,
         }
     }
 }
 
-impl DraftModel for CandleDraft<'_> {
+impl DraftModel for CachedDraft<'_> {
     fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
         let want = &committed[..committed.len().saturating_sub(1)];
         // After a round the accepted path is already in the scratch region: keep it (copy into
@@ -58,23 +92,19 @@ impl DraftModel for CandleDraft<'_> {
         self.cache.rollback(common);
         self.cached.truncate(common);
         if want.len() > common {
-            self.model.prefill(&mut self.cache, &want[common..])?;
-            self.cached.extend_from_slice(&want[common..]);
+            let new = &want[common..];
+            self.model
+                .score(&mut self.cache, &TokenTree::chain(new), 0)?;
+            self.cache
+                .compact(&(0..new.len() as u32).collect::<Vec<_>>());
+            self.cached.extend_from_slice(new);
         }
         Ok(())
     }
 
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
         self.scratch_tree = Some(tree.clone());
-        let out = self
-            .model
-            .forward(&mut [SeqTree {
-                cache: &mut self.cache,
-                tree,
-                first,
-            }])?
-            .remove(0);
-        Ok((0..out.nodes()).map(|i| out.node(i).to_vec()).collect())
+        self.model.score(&mut self.cache, tree, first)
     }
 }
 

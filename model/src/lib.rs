@@ -8,6 +8,7 @@ pub mod fetch;
 mod kv;
 mod llama;
 mod load;
+mod onnx;
 mod tokenizer;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
@@ -54,6 +55,11 @@ pub enum ModelError {
     Fetch { what: String, message: String },
     #[error("sequence would reach {needed} positions, the model's context is {limit}")]
     ContextFull { needed: usize, limit: usize },
+    #[error("{backend}: {message}")]
+    Runtime {
+        backend: &'static str,
+        message: String,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

@@ -16,6 +16,18 @@ pub(crate) enum Weight {
 }
 
 impl Weight {
+    /// `(out, in)`.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        match self {
+            Weight::Quant(m) => (m.rows(), m.cols()),
+            Weight::F32(m) => (m.rows(), m.cols()),
+            Weight::Candle(QMatMul::QTensor(t)) => t.shape().dims2().expect("a matrix"),
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.dims2().expect("a matrix")
+            }
+        }
+    }
+
     /// Chooses the kernel for a GGML tensor. `SPECINFER_MATMUL=candle` forces candle's kernels
     /// (for before/after measurements).
     /// An unquantized `[out, in]` weight (from safetensors): our kernel, unless candle is forced.

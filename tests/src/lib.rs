@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use specinfer_edge::{CandleDraft, DraftModel, RemoteConfig};
+use specinfer_edge::{CachedDraft, DraftModel, RemoteConfig};
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, ModelError, Tokenizer};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::net::{ServerIdentity, Trust};
@@ -15,16 +15,23 @@ use specinfer_wire::TokenTree;
 
 pub const API_KEY: &str = "test-key";
 
+/// The model cache: `$SPECINFER_CACHE`, else the repository's `.cache/specinfer`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("SPECINFER_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/specinfer"))
+}
+
+/// The SSM committed under `models/ssm`.
+pub fn default_ssm_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/ssm")
+}
+
 /// SmolLM2-135M-Instruct, fetched once into the cache and loaded once per test binary.
 pub fn smollm2() -> &'static (Arc<Llama>, Tokenizer) {
     static MODEL: OnceLock<(Arc<Llama>, Tokenizer)> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let cache = std::env::var_os("SPECINFER_CACHE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cache/specinfer")
-            });
-        let path = fetch::ensure(&fetch::SMOLLM2_135M, &cache).expect("fetching SmolLM2");
+        let path = fetch::ensure(&fetch::SMOLLM2_135M, &cache_dir()).expect("fetching SmolLM2");
         let (m, t) = load_gguf(&path).expect("loading SmolLM2");
         (Arc::new(m), t)
     })
@@ -67,7 +74,7 @@ pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
 /// The LLM itself with seeded noise on its logits: it proposes the LLM's own top-k, often in the
 /// wrong order, so rounds accept through later siblings and reject at every depth.
 pub struct NoisyDraft<'m> {
-    inner: CandleDraft<'m>,
+    inner: CachedDraft<'m>,
     rng: rand_chacha::ChaCha8Rng,
     noise: f32,
 }
@@ -75,7 +82,7 @@ pub struct NoisyDraft<'m> {
 impl<'m> NoisyDraft<'m> {
     pub fn new(model: &'m Llama, seed: u64, noise: f32) -> Self {
         NoisyDraft {
-            inner: CandleDraft::new(model),
+            inner: CachedDraft::new(model),
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
             noise,
         }

