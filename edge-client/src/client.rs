@@ -34,6 +34,8 @@ pub struct Generation {
     /// Verifier-side forward time summed over rounds.
     pub verifier_forward: Duration,
     pub reconnects: usize,
+    /// Rounds whose tree was drafted ahead, while the previous round was being verified.
+    pub pipelined_rounds: usize,
 }
 
 /// How each round's tree is made.
@@ -53,6 +55,7 @@ pub struct Client {
     remote: Option<Remote>,
     next_session: u64,
     added_rtt: Duration,
+    pipelining: bool,
 }
 
 impl Client {
@@ -63,7 +66,16 @@ impl Client {
             remote: Some(remote),
             next_session: 1,
             added_rtt: Duration::ZERO,
+            pipelining: false,
         })
+    }
+
+    /// While a tree is being verified, draft the next one from its most likely outcome (see
+    /// [`Speculator::draft_ahead`]); used when the guess was right, dropped when not. Pays when
+    /// the round trip is long next to drafting and the edge has a core to spare; with a single
+    /// draft model only.
+    pub fn set_pipelining(&mut self, on: bool) {
+        self.pipelining = on;
     }
 
     /// Adds `rtt` of waiting to every round: an in-process stand-in for a slower network, so the
@@ -104,14 +116,20 @@ impl Client {
             .await?
             .open(id, committed.clone(), params.clone())
             .await?;
+        // A tree drafted ahead, and the committed tokens it assumed.
+        let mut ahead: Option<(Vec<u32>, TokenTree)> = None;
         loop {
             let drafted = Instant::now();
-            let tree = match &mut drafting {
-                Drafting::None => TokenTree::root(*committed.last().expect("never empty")),
-                Drafting::Tree { speculator, drafts } if drafts.len() == 1 => {
+            let tree = match (ahead.take(), &mut drafting) {
+                (Some((guess, tree)), _) if guess == committed => {
+                    g.pipelined_rounds += 1;
+                    tree
+                }
+                (_, Drafting::None) => TokenTree::root(*committed.last().expect("never empty")),
+                (_, Drafting::Tree { speculator, drafts }) if drafts.len() == 1 => {
                     speculator.draft(&mut *drafts[0], &committed)?
                 }
-                Drafting::Tree { speculator, drafts } => {
+                (_, Drafting::Tree { speculator, drafts }) => {
                     speculator.draft_merged(drafts, &committed)?
                 }
             };
@@ -121,10 +139,23 @@ impl Client {
                 tree.len(),
             );
             let sent = Instant::now();
-            if !self.added_rtt.is_zero() {
-                tokio::time::sleep(self.added_rtt).await;
-            }
-            match session.verify(tree).await {
+            let in_flight = self.pipelining.then(|| tree.clone());
+            let verdict = match session.send_tree(tree).await {
+                Ok(()) => {
+                    if let (Some(t), Drafting::Tree { speculator, drafts }) =
+                        (&in_flight, &mut drafting)
+                    {
+                        if drafts.len() == 1 {
+                            // A failed guess (say, the context is full) only loses the head start.
+                            ahead = speculator.draft_ahead(&mut *drafts[0], &committed, t).ok();
+                        }
+                    }
+                    tokio::time::sleep_until((sent + self.added_rtt).into()).await;
+                    session.verdict().await
+                }
+                Err(e) => Err(e),
+            };
+            match verdict {
                 Ok(v) => {
                     if let Drafting::Tree { speculator, .. } = &mut drafting {
                         speculator.observe(RoundObservation {
@@ -153,6 +184,7 @@ impl Client {
                 Err(e) if e.is_connection_loss() && g.reconnects < 3 => {
                     tracing::warn!("lost the verifier ({e}); reconnecting");
                     g.reconnects += 1;
+                    ahead = None;
                     g.bytes_up += session.bytes_up;
                     g.bytes_down += session.bytes_down;
                     self.remote = None;

@@ -77,7 +77,7 @@ impl DraftModel for CachedDraft<'_> {
             let new = want
                 .get(self.cached.len()..)
                 .filter(|_| want.starts_with(&self.cached));
-            if let Some(path) = new.and_then(|new| tree_path(&tree, new)) {
+            if let Some(path) = new.map(|new| tree_path(&tree, new)) {
                 self.cache.compact(&path);
                 self.cached
                     .extend(path.iter().map(|&n| tree.token(n as usize)));
@@ -108,21 +108,29 @@ impl DraftModel for CachedDraft<'_> {
     }
 }
 
-/// Nodes of `tree` spelling `tokens` from the root (root included), if the tree has that path.
-fn tree_path(tree: &TokenTree, tokens: &[u32]) -> Option<Vec<u32>> {
-    let (&first, rest) = tokens.split_first()?;
+/// The nodes of `tree` spelling the longest prefix of `tokens` from the root (root included):
+/// the part of an accepted path whose K/V the draft already computed. The rest (typically the
+/// last level, which was proposed but never scored) is recomputed.
+fn tree_path(tree: &TokenTree, tokens: &[u32]) -> Vec<u32> {
+    let mut path = Vec::new();
+    let Some((&first, rest)) = tokens.split_first() else {
+        return path;
+    };
     if tree.token(0) != first {
-        return None;
+        return path;
     }
     let children = tree.children();
-    let mut path = vec![0u32];
+    path.push(0u32);
     for &t in rest {
         let node = *path.last().expect("non-empty");
-        let next = children[node as usize]
+        match children[node as usize]
             .iter()
             .copied()
-            .find(|&c| tree.token(c as usize) == t)?;
-        path.push(next);
+            .find(|&c| tree.token(c as usize) == t)
+        {
+            Some(next) => path.push(next),
+            None => break,
+        }
     }
-    Some(path)
+    path
 }

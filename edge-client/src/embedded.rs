@@ -70,6 +70,7 @@ impl EmbeddedVerifier {
             trust,
             api_key: Some(api_key),
             expected_model: tokenizer.fingerprint(),
+            idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
         };
         Ok(EmbeddedVerifier {
             remote,

@@ -1,6 +1,8 @@
 //! The QUIC client side of the protocol: hello, then one stream per session.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use specinfer_verifier::net::{client_config, read_frame, write_frame, NetError, Trust};
 use specinfer_wire::{
@@ -41,6 +43,13 @@ pub struct RemoteConfig {
     pub trust: Trust,
     pub api_key: Option<String>,
     pub expected_model: ModelFingerprint,
+    /// A connection that hears nothing for this long is dead (keep-alives go out at a third of
+    /// it): the client then reconnects and resumes instead of hanging on a lost verifier.
+    pub idle_timeout: Duration,
+}
+
+impl RemoteConfig {
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 }
 
 /// A connection to a verifier that has accepted our hello.
@@ -61,7 +70,14 @@ impl Remote {
         .parse()
         .expect("literal");
         let mut endpoint = quinn::Endpoint::client(bind).map_err(NetError::from)?;
-        endpoint.set_default_client_config(client_config(&cfg.trust)?);
+        let mut client = client_config(&cfg.trust)?;
+        let mut transport = quinn::TransportConfig::default();
+        let idle = quinn::IdleTimeout::try_from(cfg.idle_timeout)
+            .map_err(|_| RemoteError::Protocol("idle timeout out of range".into()))?;
+        transport.max_idle_timeout(Some(idle));
+        transport.keep_alive_interval(Some(cfg.idle_timeout / 3));
+        client.transport_config(Arc::new(transport));
+        endpoint.set_default_client_config(client);
         let conn = endpoint
             .connect(cfg.addr, &cfg.server_name)
             .map_err(NetError::from)?
@@ -193,6 +209,10 @@ pub struct RemoteSession {
 impl RemoteSession {
     async fn call(&mut self, msg: Message) -> Result<Message, RemoteError> {
         self.bytes_up += write_frame(&mut self.send, &msg).await?;
+        self.receive().await
+    }
+
+    async fn receive(&mut self) -> Result<Message, RemoteError> {
         match read_frame(&mut self.recv, &self.limits).await? {
             Some((reply, n)) => {
                 self.bytes_down += n;
@@ -210,15 +230,26 @@ impl RemoteSession {
 
     /// Sends one tree and waits for the verdict.
     pub async fn verify(&mut self, tree: TokenTree) -> Result<Verified, RemoteError> {
+        self.send_tree(tree).await?;
+        self.verdict().await
+    }
+
+    /// Sends one tree without waiting, so the caller can work while it is verified; the
+    /// answer comes from [`RemoteSession::verdict`].
+    pub async fn send_tree(&mut self, tree: TokenTree) -> Result<(), RemoteError> {
+        let msg = Message::Verify(Verify {
+            session: self.session,
+            round: self.round,
+            tree,
+        });
+        self.bytes_up += write_frame(&mut self.send, &msg).await?;
+        Ok(())
+    }
+
+    /// Waits for the verdict on the tree last sent.
+    pub async fn verdict(&mut self) -> Result<Verified, RemoteError> {
         let round = self.round;
-        match self
-            .call(Message::Verify(Verify {
-                session: self.session,
-                round,
-                tree,
-            }))
-            .await?
-        {
+        match self.receive().await? {
             Message::Verified(v) if v.session == self.session && v.round == round => {
                 self.round += 1;
                 Ok(v)

@@ -3,7 +3,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_kernels::sampling::{distribution, sample, top_k_sparse};
+use specinfer_kernels::sampling::{argmax, distribution, sample, top_k_sparse};
 use specinfer_model::ModelError;
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
@@ -127,6 +127,32 @@ impl Speculator {
                 dynamic_tree(model, committed, budget)
             }
         }
+    }
+
+    /// Pipelining: drafts the tree that would follow `in_flight` (just sent, rooted at
+    /// `committed`'s last token) if the verifier accepts its most likely path (every node's first
+    /// child, which is the draft's best, down to a leaf) and then emits the draft's own next
+    /// token. Returns the committed tokens this guess assumes, and the tree; on a miss the
+    /// caller drops both, and the next sync rolls the draft back to what was accepted.
+    pub fn draft_ahead(
+        &mut self,
+        model: &mut dyn DraftModel,
+        committed: &[u32],
+        in_flight: &TokenTree,
+    ) -> Result<(Vec<u32>, TokenTree), ModelError> {
+        let children = in_flight.children();
+        let mut guess = committed.to_vec();
+        let mut node = 0;
+        while let Some(&child) = children[node].first() {
+            node = child as usize;
+            guess.push(in_flight.token(node));
+        }
+        model.sync(&guess)?;
+        let last = *guess.last().expect("committed tokens are never empty");
+        let logits = model.extend(&TokenTree::root(last), 0)?;
+        guess.push(argmax(&logits[0]) as u32);
+        let tree = self.draft(model, &guess)?;
+        Ok((guess, tree))
     }
 
     /// Drafts with every model and merges their trees (SpecInfer's merge-based speculation).

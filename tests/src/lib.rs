@@ -67,6 +67,7 @@ pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
         trust: Trust::pinned_hex(&identity.fingerprint()).unwrap(),
         api_key: Some(API_KEY.into()),
         expected_model: tok.fingerprint(),
+        idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
     };
     (server, remote)
 }
@@ -101,5 +102,86 @@ impl DraftModel for NoisyDraft<'_> {
                 .for_each(|x| *x += self.rng.random_range(0.0..self.noise));
         }
         Ok(l)
+    }
+}
+
+/// A UDP relay in front of a verifier whose existing flows can be cut (their datagrams dropped
+/// both ways), as when a laptop's network dies; flows that start later go through. A client
+/// then sees its connection time out and must reconnect from a new socket.
+pub struct UdpRelay {
+    pub addr: std::net::SocketAddr,
+    flows: Arc<std::sync::Mutex<Vec<Arc<RelayFlow>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+struct RelayFlow {
+    client: std::net::SocketAddr,
+    upstream: tokio::net::UdpSocket,
+    dead: std::sync::atomic::AtomicBool,
+}
+
+impl UdpRelay {
+    /// Starts relaying to `server` (must run inside a tokio runtime).
+    pub async fn start(server: std::net::SocketAddr) -> std::io::Result<UdpRelay> {
+        use std::sync::atomic::Ordering;
+        let front = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await?);
+        let addr = front.local_addr()?;
+        let flows: Arc<std::sync::Mutex<Vec<Arc<RelayFlow>>>> = Default::default();
+        let task_flows = flows.clone();
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                let known = task_flows
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .find(|f| f.client == from)
+                    .cloned();
+                let flow = match known {
+                    Some(f) => f,
+                    None => {
+                        let Ok(upstream) = tokio::net::UdpSocket::bind("127.0.0.1:0").await else {
+                            continue;
+                        };
+                        if upstream.connect(server).await.is_err() {
+                            continue;
+                        }
+                        let flow = Arc::new(RelayFlow {
+                            client: from,
+                            upstream,
+                            dead: false.into(),
+                        });
+                        task_flows.lock().unwrap().push(flow.clone());
+                        let (back, front) = (flow.clone(), front.clone());
+                        tokio::spawn(async move {
+                            let mut buf = vec![0u8; 65536];
+                            while let Ok(n) = back.upstream.recv(&mut buf).await {
+                                if !back.dead.load(Ordering::Relaxed) {
+                                    let _ = front.send_to(&buf[..n], back.client).await;
+                                }
+                            }
+                        });
+                        flow
+                    }
+                };
+                if !flow.dead.load(Ordering::Relaxed) {
+                    let _ = flow.upstream.send(&buf[..n]).await;
+                }
+            }
+        });
+        Ok(UdpRelay { addr, flows, task })
+    }
+
+    /// Drops every datagram of the flows that exist now, from now on.
+    pub fn cut_existing(&self) {
+        for f in self.flows.lock().unwrap().iter() {
+            f.dead.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for UdpRelay {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use specinfer_edge::{Client, DraftMode, Drafting, Generation, RemoteConfig, Speculator};
-use specinfer_integration::{chat_ids, smollm2, start_verifier, NoisyDraft, API_KEY};
+use specinfer_integration::{chat_ids, smollm2, start_verifier, NoisyDraft, UdpRelay, API_KEY};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::net::{client_config, read_frame, write_frame};
 use specinfer_wire::*;
@@ -474,5 +474,58 @@ async fn a_session_survives_a_dropped_connection_and_resumes() {
     assert_eq!(err.code(), Some(ErrorCode::UnknownSession));
     s.close().await.unwrap();
     second.shutdown().await;
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
+    let (server, direct) = start_verifier(EngineConfig::default());
+    let (llm, _) = smollm2();
+    let ids = chat_ids("Name three rivers in Europe.");
+    let params = SamplingParams::greedy(40);
+    let reference = generate(&direct, &ids, params.clone(), None)
+        .await
+        .token_ids;
+
+    let relay = UdpRelay::start(direct.addr).await.unwrap();
+    let remote = RemoteConfig {
+        addr: relay.addr,
+        // Short, so the dead path is noticed within the test's patience.
+        idle_timeout: Duration::from_millis(800),
+        ..direct.clone()
+    };
+    let mut client = Client::connect(remote).await.unwrap();
+    client.set_pipelining(true);
+    let mut speculator = Speculator::new(vec![1, 2, 1], DraftMode::Greedy, 3);
+    let mut draft = NoisyDraft::new(llm, 3, 2.0);
+    let mut streamed = Vec::new();
+    let mut cut = false;
+    let g = client
+        .generate(
+            &ids,
+            params,
+            Drafting::Tree {
+                speculator: &mut speculator,
+                drafts: vec![&mut draft],
+            },
+            |new| {
+                streamed.extend_from_slice(new);
+                // After the second round the network goes away mid-generation.
+                if streamed.len() >= 2 && !cut {
+                    relay.cut_existing();
+                    cut = true;
+                }
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(g.reconnects, 1, "the cut must have been noticed, once");
+    assert_eq!(g.token_ids, reference, "reconnecting changed the output");
+    assert_eq!(
+        streamed, reference,
+        "text was lost or repeated in the stream"
+    );
+    assert!(g.pipelined_rounds > 0, "no round was drafted ahead");
+    client.shutdown().await;
     server.shutdown().await;
 }

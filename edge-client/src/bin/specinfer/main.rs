@@ -122,6 +122,11 @@ struct CommonArgs {
     /// Do not apply the chat template.
     #[arg(long)]
     raw: bool,
+    /// Draft the next tree while the current one is being verified, from its most likely
+    /// outcome (kept on a hit, dropped on a miss). Pays when the round trip to the verifier is
+    /// long next to drafting; with one --ssm only.
+    #[arg(long)]
+    pipeline: bool,
 }
 
 #[derive(clap::Args)]
@@ -192,7 +197,7 @@ fn main() -> Result<()> {
                 });
             let setup = setup(&common)?;
             runtime()?.block_on(async move {
-                let client = Client::connect(setup.remote.clone()).await?;
+                let client = setup.client().await?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
@@ -224,6 +229,7 @@ struct Setup {
     remote: RemoteConfig,
     _embedded: Option<EmbeddedVerifier>,
     raw: bool,
+    pipeline: bool,
 }
 
 fn setup(a: &CommonArgs) -> Result<Setup> {
@@ -320,6 +326,7 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
                 trust,
                 api_key: a.api_key.clone(),
                 expected_model: tok.fingerprint(),
+                idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
             };
             (cfg, None)
         }
@@ -351,10 +358,17 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         remote,
         _embedded: embedded,
         raw: a.raw,
+        pipeline: a.pipeline,
     })
 }
 
 impl Setup {
+    async fn client(&self) -> Result<Client> {
+        let mut client = Client::connect(self.remote.clone()).await?;
+        client.set_pipelining(self.pipeline);
+        Ok(client)
+    }
+
     /// One generation; streams text to stdout when `stream`.
     /// Encodes a request's prompt: the chat template over `messages`, or their contents joined
     /// as raw text.
@@ -473,7 +487,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let json = args.json || args.prompt_file.is_some();
     let setup = setup(&args.common)?;
     runtime()?.block_on(async {
-        let mut client = Client::connect(setup.remote.clone()).await?;
+        let mut client = setup.client().await?;
         for prompt in &prompts {
             let ids = setup.prompt_ids(&[ChatMessage::new("user", prompt)], setup.raw)?;
             let (g, text) = setup
@@ -517,7 +531,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn chat(args: CommonArgs) -> Result<()> {
     let setup = setup(&args)?;
     runtime()?.block_on(async {
-        let mut client = Client::connect(setup.remote.clone()).await?;
+        let mut client = setup.client().await?;
         let mut history: Vec<ChatMessage> = Vec::new();
         let mut stats = false;
         eprintln!("specinfer chat: type a message; /stats toggles speed reports, /reset forgets the conversation, /quit leaves.");
