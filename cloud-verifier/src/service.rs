@@ -348,7 +348,7 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
                 bound.as_ref().map(|b| b.client_id),
                 format!(
                     "unexpected {} on a session stream in this state",
-                    message_name(&other)
+                    other.name()
                 ),
             ),
         };
@@ -369,21 +369,6 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
         }
     }
     let _ = send.finish();
-}
-
-fn message_name(m: &Message) -> &'static str {
-    match m {
-        Message::ClientHello(_) => "ClientHello",
-        Message::ServerHello(_) => "ServerHello",
-        Message::OpenSession(_) => "OpenSession",
-        Message::SessionOpened(_) => "SessionOpened",
-        Message::Verify(_) => "Verify",
-        Message::Verified(_) => "Verified",
-        Message::Error(_) => "Error",
-        Message::Close { .. } => "Close",
-        Message::Resume { .. } => "Resume",
-        Message::Resumed { .. } => "Resumed",
-    }
 }
 
 /// Serves the metrics in Prometheus text format over plain HTTP (`GET /metrics`).

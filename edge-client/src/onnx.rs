@@ -17,7 +17,7 @@ use ort::value::{PrimitiveTensorElementType, TensorRef};
 use specinfer_model::{fetch, KvCache, ModelError};
 use specinfer_wire::TokenTree;
 
-use crate::draft::TreeScorer;
+use specinfer_speculator::TreeScorer;
 
 fn ort_err(message: impl std::fmt::Display) -> ModelError {
     ModelError::Runtime {

@@ -197,7 +197,23 @@ impl Llama {
             path: cfg_path.clone(),
             source,
         })?;
-        let hf: HfConfig = serde_json::from_str(&text).map_err(|e| ModelError::Format {
+        let st_path = dir.join("model.safetensors");
+        let bytes = std::fs::read(&st_path).map_err(|source| ModelError::Io {
+            path: st_path.clone(),
+            source,
+        })?;
+        Self::from_safetensors_bytes(&text, &bytes, dir)
+    }
+
+    /// [`Llama::from_safetensors`] from the two files' contents (a browser fetches them);
+    /// `origin` names them in errors.
+    pub fn from_safetensors_bytes(
+        config_json: &str,
+        safetensors: &[u8],
+        origin: &Path,
+    ) -> Result<Llama> {
+        let cfg_path = origin.join("config.json");
+        let hf: HfConfig = serde_json::from_str(config_json).map_err(|e| ModelError::Format {
             path: cfg_path.clone(),
             message: e.to_string(),
         })?;
@@ -225,13 +241,14 @@ impl Llama {
             rope_style: RopeStyle::Neox,
             max_positions: hf.max_position_embeddings.unwrap_or(2048),
         };
-        let st_path = dir.join("model.safetensors");
-        let tensors = candle_core::safetensors::load(&st_path, &Device::Cpu).map_err(|e| {
-            ModelError::Format {
-                path: st_path.clone(),
-                message: e.to_string(),
-            }
-        })?;
+        let st_path = origin.join("model.safetensors");
+        let tensors =
+            candle_core::safetensors::load_buffer(safetensors, &Device::Cpu).map_err(|e| {
+                ModelError::Format {
+                    path: st_path.clone(),
+                    message: e.to_string(),
+                }
+            })?;
         let mut w = Weights {
             path: st_path,
             tensors,

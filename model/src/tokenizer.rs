@@ -138,6 +138,25 @@ impl Tokenizer {
         Self::finish(inner, bos, eos)
     }
 
+    /// A tokenizer.json's contents, with the chat template's default system message (which
+    /// tokenizer.json does not carry).
+    pub fn from_json(
+        json: &str,
+        bos: Option<u32>,
+        eos: Vec<u32>,
+        default_system: Option<String>,
+    ) -> Result<Self> {
+        let inner: tokenizers::Tokenizer = json.parse().map_err(tk_err)?;
+        let mut tok = Self::finish(inner, bos, eos)?;
+        tok.default_system = default_system;
+        Ok(tok)
+    }
+
+    /// The system message the chat template adds to a conversation that has none.
+    pub fn default_system(&self) -> Option<&str> {
+        self.default_system.as_deref()
+    }
+
     fn finish(inner: tokenizers::Tokenizer, bos: Option<u32>, eos: Vec<u32>) -> Result<Self> {
         let json = inner.to_string(false).map_err(tk_err)?;
         let sha256 = Sha256::digest(json.as_bytes()).into();

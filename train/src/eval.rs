@@ -1,8 +1,10 @@
-//! Evaluation on held-out prompts, run on the EXPORTED model through the inference engine (what
-//! the edge will run): the paper's Table 1 alignment (is the LLM's next token within the SSM's
-//! top-k?) and the tokens per round of real greedy speculation against the LLM.
+//! Evaluation on held-out prompts, run on the EXPORTED models through the inference engine (what
+//! the edge will run): the paper's Table 1 alignment (is the LLM's next token within the top-k
+//! of the SSM, or of any SSM of an ensemble?) for greedy and stochastic decoding, and the tokens
+//! per round of real greedy speculation against the LLM (trees merged across an ensemble).
 
 use anyhow::Result;
+use specinfer_kernels::sampling::distribution;
 use specinfer_model::{KvCache, Llama, SeqTree};
 use specinfer_wire::{Limits, SamplingParams, TokenTree};
 
@@ -15,56 +17,136 @@ pub struct Report {
     /// Fraction of answer positions where the teacher's (greedy) token is within the SSM's top-k,
     /// k = 1..=5.
     pub top_k_greedy: [f64; 5],
+    /// Probability that the LLM's token, sampled at `temperature`, is within the SSMs' top-k
+    /// (the exact expectation over the LLM's distribution, no sampling noise), k = 1..=5.
+    pub top_k_stochastic: [f64; 5],
+    pub temperature: f32,
     /// Mean tokens per round of greedy speculation with the paper's tree, SSM drafting and the
     /// LLM verifying.
     pub tau_paper_tree: f64,
     pub tau_prompts: usize,
 }
 
-/// Top-k agreement of `ssm` with the teacher's answers.
-pub fn alignment(ssm: &Llama, examples: &[Example], report: &mut Report) -> Result<()> {
-    let mut hits = [0usize; 5];
+/// Log-likelihood order of the five best tokens of `logits`.
+fn top5(logits: &[f32]) -> [u32; 5] {
+    let mut best = [(f32::NEG_INFINITY, u32::MAX); 5];
+    for (t, &l) in logits.iter().enumerate() {
+        if l > best[4].0 {
+            best[4] = (l, t as u32);
+            best.sort_by(|a, b| b.0.total_cmp(&a.0));
+        }
+    }
+    best.map(|(_, t)| t)
+}
+
+fn chain_logits(m: &Llama, seq: &[u32]) -> Result<specinfer_model::Logits> {
+    let mut kv = KvCache::new(m.config());
+    let tree = TokenTree::chain(seq);
+    Ok(m.forward(&mut [SeqTree::new(&mut kv, &tree)])?.remove(0))
+}
+
+/// The example's prompt + answer (cut to every model's context) and, for each position, the
+/// tokens the ensemble proposes at k = 1..=5 (the union of the members' top-k).
+fn ensemble_proposals(
+    ssms: &[&Llama],
+    e: &Example,
+    max_positions: usize,
+) -> Result<(Vec<u32>, Vec<[Vec<u32>; 5]>)> {
+    let mut seq = e.prompt.clone();
+    seq.extend(&e.answer);
+    let limit = ssms
+        .iter()
+        .map(|m| m.config().max_positions)
+        .fold(max_positions, usize::min);
+    seq.truncate(limit);
+    let tops: Vec<Vec<[u32; 5]>> = ssms
+        .iter()
+        .map(|m| {
+            let l = chain_logits(m, &seq[..seq.len() - 1])?;
+            Ok((0..l.nodes()).map(|p| top5(l.node(p))).collect())
+        })
+        .collect::<Result<_>>()?;
+    let proposals = (0..seq.len() - 1)
+        .map(|p| {
+            let mut sets: [Vec<u32>; 5] = Default::default();
+            let mut proposed: Vec<u32> = Vec::new();
+            for (k, set) in sets.iter_mut().enumerate() {
+                for member in &tops {
+                    let t = member[p][k];
+                    if t != u32::MAX && !proposed.contains(&t) {
+                        proposed.push(t);
+                    }
+                }
+                *set = proposed.clone();
+            }
+            sets
+        })
+        .collect();
+    Ok((seq, proposals))
+}
+
+/// Adaptive boosting's coverage of one training prompt by an ensemble: the fraction of its
+/// first `positions` answer tokens within some member's top-`k` (whole-answer matches are rare,
+/// so coverage is per answer prefix position).
+pub fn coverage(ssms: &[&Llama], e: &Example, positions: usize, k: usize) -> Result<f64> {
+    let short = Example {
+        prompt: e.prompt.clone(),
+        answer: e.answer.iter().take(positions).copied().collect(),
+    };
+    let (seq, proposals) = ensemble_proposals(ssms, &short, usize::MAX)?;
+    let range = short.prompt.len() - 1..seq.len() - 1;
+    let n = range.len();
+    let hits = range
+        .filter(|&p| proposals[p][k - 1].contains(&seq[p + 1]))
+        .count();
+    Ok(hits as f64 / n.max(1) as f64)
+}
+
+/// Top-k agreement of an ensemble of SSMs (one SSM: an ensemble of one) with the LLM along the
+/// teacher's greedy answers: a token counts as proposed at k when it is within any member's top-k,
+/// which is what a tree merged from every member's k-wide level holds.
+pub fn alignment(
+    llm: &Llama,
+    ssms: &[&Llama],
+    examples: &[Example],
+    temperature: f32,
+    report: &mut Report,
+) -> Result<()> {
+    let mut greedy = [0f64; 5];
+    let mut stochastic = [0f64; 5];
     let mut positions = 0;
     for e in examples {
-        let mut seq = e.prompt.clone();
-        seq.extend(&e.answer);
-        let seq = &seq[..seq.len().min(ssm.config().max_positions)];
-        let mut kv = KvCache::new(ssm.config());
-        let tree = TokenTree::chain(&seq[..seq.len() - 1]);
-        let logits = ssm.forward(&mut [SeqTree::new(&mut kv, &tree)])?.remove(0);
+        let (seq, proposals) = ensemble_proposals(ssms, e, llm.config().max_positions)?;
+        let teacher = chain_logits(llm, &seq[..seq.len() - 1])?;
         for p in e.prompt.len() - 1..seq.len() - 1 {
-            let l = logits.node(p);
-            let target = l[seq[p + 1] as usize];
-            // Rank = number of tokens with a strictly higher logit (ties favour the target).
-            let rank = if target == f32::NEG_INFINITY {
-                usize::MAX
-            } else {
-                l.iter().filter(|&&x| x > target).count()
-            };
-            for (k, h) in hits.iter_mut().enumerate() {
-                *h += (rank <= k) as usize;
+            let q = distribution(teacher.node(p), temperature, 0, 1.0);
+            for (k, proposed) in proposals[p].iter().enumerate() {
+                greedy[k] += proposed.contains(&seq[p + 1]) as u8 as f64;
+                stochastic[k] += proposed.iter().map(|&t| q[t as usize] as f64).sum::<f64>();
             }
             positions += 1;
         }
     }
     report.examples = examples.len();
     report.positions = positions;
+    report.temperature = temperature;
     for k in 0..5 {
-        report.top_k_greedy[k] = hits[k] as f64 / positions.max(1) as f64;
+        report.top_k_greedy[k] = greedy[k] / positions.max(1) as f64;
+        report.top_k_stochastic[k] = stochastic[k] / positions.max(1) as f64;
     }
     Ok(())
 }
 
-/// Greedy speculation with the paper's tree on `prompts` (token ids), `max_new` tokens each;
-/// checks the output equals the LLM's own greedy output as it goes.
+/// Greedy speculation with the paper's tree on `prompts` (token ids), `max_new` tokens each,
+/// drafting with every SSM and merging their trees.
 pub fn tau(
     llm: &Llama,
-    ssm: &Llama,
+    ssms: &[&Llama],
     prompts: &[Vec<u32>],
     max_new: u32,
     report: &mut Report,
 ) -> Result<()> {
-    use specinfer_edge::{CachedDraft, DraftMode, Speculator};
+    use specinfer_edge::{CachedDraft, DraftMode, DraftModel, Speculator};
     let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for ids in prompts {
@@ -72,9 +154,13 @@ pub fn tau(
             specinfer_verifier::Session::open(llm, ids, SamplingParams::greedy(max_new), &limits)?;
         let mut speculator =
             Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
-        let mut draft = CachedDraft::new(ssm);
+        let mut drafts: Vec<CachedDraft> = ssms.iter().map(|&m| CachedDraft::new(m)).collect();
         while session.finish().is_none() {
-            let tree = speculator.draft(&mut draft, session.tokens())?;
+            let mut models: Vec<&mut (dyn DraftModel + Send)> = drafts
+                .iter_mut()
+                .map(|d| d as &mut (dyn DraftModel + Send))
+                .collect();
+            let tree = speculator.draft_merged(&mut models, session.tokens())?;
             let out = session.verify(llm, &limits, &tree)?;
             tokens += out.tokens.len();
             rounds += 1;

@@ -25,6 +25,74 @@ struct Cli {
 enum Command {
     /// Run (or resume) the whole pipeline.
     Run(RunArgs),
+    /// Adaptive boosting (SpecInfer Section 3): train the next SSM of an ensemble on the
+    /// training prompts the earlier SSMs cover worst, from the teacher answers `run` made.
+    Boost(BoostArgs),
+    /// Table 1 for SSMs alone and merged: top-k alignment (greedy and stochastic) and tau.
+    Eval(EvalArgs),
+}
+
+/// The SSM's shape and its training schedule.
+#[derive(clap::Args, Clone)]
+struct ModelArgs {
+    /// Optimiser steps (batches of `batch` sequences).
+    #[arg(long, default_value_t = 1500)]
+    steps: usize,
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    #[arg(long, default_value_t = 192)]
+    seq_len: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 128)]
+    d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 384)]
+    ffn: usize,
+    /// Tokens the SSM's head covers (the most frequent in the teacher's answers).
+    #[arg(long, default_value_t = 4096)]
+    head_tokens: usize,
+    /// Seed of the initialisation and of the batch order.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+#[derive(clap::Args)]
+struct BoostArgs {
+    /// The SSMs already in the ensemble (folders), in order.
+    #[arg(long, required = true)]
+    earlier: Vec<PathBuf>,
+    /// Where the new SSM goes.
+    #[arg(long)]
+    out: PathBuf,
+    /// The work folder of `run` (teacher answers); default: the cache's train folder.
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Train on every prompt instead of the uncovered ones (an independently trained SSM, the
+    /// baseline boosting is compared against; give it another --seed).
+    #[arg(long)]
+    independent: bool,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// SSM folders; evaluated alone and merged.
+    #[arg(long, required = true)]
+    ssm: Vec<PathBuf>,
+    /// The work folder of `run` (held-out teacher answers).
+    #[arg(long)]
+    work: Option<PathBuf>,
+    /// Label of the merged row.
+    #[arg(long, default_value = "merged")]
+    label: String,
+    /// Markdown and JSON file stem to append the rows to.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -50,41 +118,39 @@ struct RunArgs {
     /// Prompts the teacher answers per batched forward.
     #[arg(long, default_value_t = 32)]
     teacher_batch: usize,
-    /// Optimiser steps (batches of `batch` sequences).
-    #[arg(long, default_value_t = 1500)]
-    steps: usize,
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
-    #[arg(long, default_value_t = 192)]
-    seq_len: usize,
-    #[arg(long, default_value_t = 2e-3)]
-    lr: f64,
-    #[arg(long, default_value_t = 128)]
-    d_model: usize,
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    #[arg(long, default_value_t = 4)]
-    heads: usize,
-    #[arg(long, default_value_t = 384)]
-    ffn: usize,
-    /// Tokens the SSM's head covers (the most frequent in the teacher's answers).
-    #[arg(long, default_value_t = 4096)]
-    head_tokens: usize,
+    #[command(flatten)]
+    model: ModelArgs,
 }
 
 fn main() -> Result<()> {
-    let Command::Run(a) = Cli::parse().command;
-    let work = a
-        .work
-        .clone()
-        .unwrap_or_else(|| fetch::cache_dir().join("train"));
-    std::fs::create_dir_all(&work)?;
-    let t0 = Instant::now();
-    let llm_path = match &a.llm {
+    match Cli::parse().command {
+        Command::Run(a) => run(a),
+        Command::Boost(b) => boost(b),
+        Command::Eval(e) => eval_ensemble(e),
+    }
+}
+
+fn default_work(work: &Option<PathBuf>) -> PathBuf {
+    work.clone()
+        .unwrap_or_else(|| fetch::cache_dir().join("train"))
+}
+
+fn load_llm(llm: &Option<PathBuf>) -> Result<(Llama, specinfer_model::Tokenizer)> {
+    let path = match llm {
         Some(p) => p.clone(),
         None => fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?,
     };
-    let (llm, tok) = load_gguf(&llm_path)?;
+    Ok(load_gguf(&path)?)
+}
+
+/// Temperature of the stochastic alignment rates (the CLI's default sampling temperature).
+const EVAL_TEMPERATURE: f32 = 0.8;
+
+fn run(a: RunArgs) -> Result<()> {
+    let work = default_work(&a.work);
+    std::fs::create_dir_all(&work)?;
+    let t0 = Instant::now();
+    let (llm, tok) = load_llm(&a.llm)?;
 
     eprintln!("[1/5] prompts");
     let all = data::prompts(&fetch::cache_dir(), 1000)?;
@@ -129,34 +195,116 @@ fn main() -> Result<()> {
     let train_ex = teacher::read_examples(&train_file)?;
     let heldout_ex = teacher::read_examples(&heldout_file)?;
 
-    eprintln!("[3/5] distillation");
-    let head = train::head_tokens(&train_ex, a.head_tokens, tok.eos());
-    let covered = train_ex
+    eprintln!("[3/5] distillation; [4/5] export to {}", a.out.display());
+    let (curve, onnx_diff) = distil(&llm, &tok, &train_ex, &heldout_ex, &a.model, &work, &a.out)?;
+
+    eprintln!("[5/5] evaluation on {} held-out prompts", heldout_ex.len());
+    let exported = Llama::from_safetensors(&a.out)?;
+    let mut report = eval::Report::default();
+    eval::alignment(
+        &llm,
+        &[&exported],
+        &heldout_ex,
+        EVAL_TEMPERATURE,
+        &mut report,
+    )?;
+    let tau_prompts: Vec<Vec<u32>> = heldout_ex
+        .iter()
+        .take(10)
+        .map(|e| e.prompt.clone())
+        .collect();
+    eval::tau(&llm, &[&exported], &tau_prompts, 64, &mut report)?;
+    let per_token = ssm_compute(&exported) as f64 / ssm_compute(&llm) as f64;
+    let json = serde_json::json!({
+        "report": report,
+        "loss_curve_every_25_steps": curve,
+        "ssm_over_llm_compute_per_token": per_token,
+        "onnx_vs_candle_max_logit_difference": onnx_diff,
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "minutes": t0.elapsed().as_secs_f64() / 60.0,
+    });
+    std::fs::write(
+        a.out.join("eval.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    let md = format!(
+        "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy answers).\n\n\
+         | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n| LLM token (sampled, T = {}) in SSM top-k | {} |\n\n\
+         Greedy speculation with the paper's tree <1,1,3,1,1,1,1,1> on {} held-out prompts x 64 tokens: tau = {:.2} tokens per LLM pass.\n\n\
+         SSM compute per token: {:.4} of the LLM's. Loss (mean of each 25 steps): first {:.3}, last {:.3}. ONNX export vs candle: max logit difference {:.1e}. Pipeline time: {:.1} min.\n",
+        report.examples,
+        report.positions,
+        percent_row(&report.top_k_greedy),
+        EVAL_TEMPERATURE,
+        percent_row(&report.top_k_stochastic),
+        report.tau_prompts,
+        report.tau_paper_tree,
+        per_token,
+        curve.first().copied().unwrap_or(f32::NAN),
+        curve.last().copied().unwrap_or(f32::NAN),
+        onnx_diff,
+        t0.elapsed().as_secs_f64() / 60.0
+    );
+    std::fs::write(a.out.join("EVAL.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+fn percent_row(v: &[f64; 5]) -> String {
+    v.iter()
+        .map(|x| format!("{:.1}%", x * 100.0))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// Trains an SSM on `examples` (resumable from the checkpoint in `work`), exports it to `out`
+/// (safetensors + config) and checks its ONNX export against the candle forward on a held-out
+/// answer. Returns the loss curve and the largest ONNX-vs-candle logit difference.
+#[allow(clippy::too_many_arguments)]
+fn distil(
+    llm: &Llama,
+    tok: &specinfer_model::Tokenizer,
+    examples: &[teacher::Example],
+    heldout: &[teacher::Example],
+    m: &ModelArgs,
+    work: &std::path::Path,
+    out: &std::path::Path,
+) -> Result<(Vec<f32>, f32)> {
+    let head = train::head_tokens(examples, m.head_tokens, tok.eos());
+    let covered = examples
         .iter()
         .flat_map(|e| &e.answer)
         .filter(|t| head.contains(t))
         .count() as f64
-        / train_ex
+        / examples
             .iter()
             .map(|e| e.answer.len())
             .sum::<usize>()
             .max(1) as f64;
     eprintln!(
-        "      head of {} tokens covers {:.1}% of the teacher's answer tokens",
+        "      {} examples; head of {} tokens covers {:.1}% of the teacher's answer tokens",
+        examples.len(),
         head.len(),
         covered * 100.0
     );
     let cfg = ssm::SsmConfig {
         vocab_size: llm.config().vocab_size,
-        d_model: a.d_model,
-        n_layers: a.layers,
-        n_heads: a.heads,
-        ffn_dim: a.ffn,
+        d_model: m.d_model,
+        n_layers: m.layers,
+        n_heads: m.heads,
+        ffn_dim: m.ffn,
         rope_theta: 10_000.0,
         rms_eps: 1e-5,
         max_positions: 2048,
     };
-    let mut model = ssm::Ssm::init(cfg, head, llm.token_embeddings(), llm.config().d_model, 1)?;
+    let mut model = ssm::Ssm::init(
+        cfg,
+        head,
+        llm.token_embeddings(),
+        llm.config().d_model,
+        m.seed,
+    )?;
+    std::fs::create_dir_all(work)?;
     let checkpoint = work.join("ssm_checkpoint.safetensors");
     let start = match std::fs::read_to_string(checkpoint.with_extension("step")) {
         Ok(s) if checkpoint.exists() => {
@@ -168,15 +316,15 @@ fn main() -> Result<()> {
         _ => 0,
     };
     let tc = train::TrainConfig {
-        steps: a.steps,
-        batch: a.batch,
-        seq_len: a.seq_len,
-        lr: a.lr,
+        steps: m.steps,
+        batch: m.batch,
+        seq_len: m.seq_len,
+        lr: m.lr,
         warmup: 50,
-        seed: 7,
+        seed: m.seed,
         checkpoint_every: 100,
     };
-    let new_points = train::train(&mut model, &train_ex, &tc, &checkpoint, start)?;
+    let new_points = train::train(&mut model, examples, &tc, &checkpoint, start)?;
     // The loss curve of earlier (interrupted) runs lives beside the checkpoint.
     let curve_file = work.join("loss_curve.json");
     let mut curve: Vec<f32> = std::fs::read_to_string(&curve_file)
@@ -187,48 +335,163 @@ fn main() -> Result<()> {
     curve.extend(new_points);
     std::fs::write(&curve_file, serde_json::to_string(&curve)?)?;
 
-    eprintln!("[4/5] export to {}", a.out.display());
-    model.export(&a.out, &tok.sha256())?;
+    model.export(out, &tok.sha256())?;
+    let exported = Llama::from_safetensors(out)?;
+    let onnx_diff = check_onnx(&exported, heldout, &work.join("model.onnx"))?;
+    Ok((curve, onnx_diff))
+}
 
-    eprintln!("[5/5] evaluation on {} held-out prompts", heldout_ex.len());
-    let exported = Llama::from_safetensors(&a.out)?;
-    let mut report = eval::Report::default();
-    eval::alignment(&exported, &heldout_ex, &mut report)?;
-    let tau_prompts: Vec<Vec<u32>> = heldout_ex
+/// Exports `ssm` to ONNX and runs it in ONNX Runtime on a held-out prompt and answer: the
+/// largest logit difference to the candle forward.
+fn check_onnx(ssm: &Llama, heldout: &[teacher::Example], path: &std::path::Path) -> Result<f32> {
+    use specinfer_edge::{OnnxModel, TreeScorer};
+    use specinfer_wire::TokenTree;
+    ssm.export_onnx(path, &[])?;
+    let onnx = OnnxModel::load(path, 1)?;
+    let e = heldout.first().context("no held-out example")?;
+    let mut seq = e.prompt.clone();
+    seq.extend(&e.answer);
+    let tree = TokenTree::chain(&seq);
+    let a = ssm.score(&mut ssm.new_cache(), &tree, 0)?;
+    let b = onnx.score(&mut onnx.new_cache(), &tree, 0)?;
+    let mut worst = 0f32;
+    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+        if x.is_finite() || y.is_finite() {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    eprintln!(
+        "      ONNX export {} agrees with candle to {worst:.1e}",
+        path.display()
+    );
+    Ok(worst)
+}
+
+fn boost(b: BoostArgs) -> Result<()> {
+    let work = default_work(&b.work);
+    let (llm, tok) = load_llm(&None)?;
+    let train_file = work.join("teacher_train.jsonl");
+    let examples = teacher::read_examples(&train_file).with_context(|| {
+        format!(
+            "{}: run `specinfer-train run` first (it writes the teacher answers)",
+            train_file.display()
+        )
+    })?;
+    let heldout = teacher::read_examples(&work.join("teacher_heldout.jsonl"))?;
+    let earlier: Vec<Llama> = b
+        .earlier
         .iter()
-        .take(10)
-        .map(|e| e.prompt.clone())
-        .collect();
-    eval::tau(&llm, &exported, &tau_prompts, 64, &mut report)?;
-    let per_token = ssm_compute(&exported) as f64 / ssm_compute(&llm) as f64;
+        .map(|p| Llama::from_safetensors(p).with_context(|| format!("loading {}", p.display())))
+        .collect::<Result<_>>()?;
+    let earlier: Vec<&Llama> = earlier.iter().collect();
+    let chosen: Vec<teacher::Example> = if b.independent {
+        examples
+    } else {
+        eprintln!(
+            "[1/2] coverage of {} training prompts by the earlier SSMs",
+            examples.len()
+        );
+        let mut scored = Vec::with_capacity(examples.len());
+        for (i, e) in examples.into_iter().enumerate() {
+            // Top-3: what the paper tree's widest level proposes; the first 32 answer tokens.
+            scored.push((eval::coverage(&earlier, &e, 32, 3)?, e));
+            if (i + 1) % 200 == 0 {
+                eprintln!("      {}/{}", i + 1, scored.capacity());
+            }
+        }
+        scored.sort_by(|a, b| a.0.total_cmp(&b.0));
+        // The worse-covered half: what the ensemble still misses.
+        let half = scored.len() / 2;
+        eprintln!(
+            "      coverage (top-3 over the first 32 answer tokens): median {:.1}%; training on the {} prompts below it",
+            scored[half].0 * 100.0,
+            half
+        );
+        scored.into_iter().take(half).map(|(_, e)| e).collect()
+    };
+    eprintln!("[2/2] distillation into {}", b.out.display());
+    let name = b
+        .out
+        .file_name()
+        .map_or("boost".into(), |n| n.to_string_lossy().into_owned());
+    let (curve, onnx_diff) = distil(
+        &llm,
+        &tok,
+        &chosen,
+        &heldout,
+        &b.model,
+        &work.join(name),
+        &b.out,
+    )?;
     let json = serde_json::json!({
-        "report": report,
+        "trained_on_prompts": chosen.len(),
+        "boosted_after": b.earlier.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+        "independent": b.independent,
         "loss_curve_every_25_steps": curve,
-        "ssm_over_llm_compute_per_token": per_token,
+        "onnx_vs_candle_max_logit_difference": onnx_diff,
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "minutes": t0.elapsed().as_secs_f64() / 60.0,
     });
     std::fs::write(
-        a.out.join("eval.json"),
+        b.out.join("train.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
-    let md = format!(
-        "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy).\n\n\
-         | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n\n\
-         Greedy speculation with the paper's tree <1,1,3,1,1,1,1,1> on {} held-out prompts x 64 tokens: tau = {:.2} tokens per LLM pass.\n\n\
-         SSM compute per token: {:.4} of the LLM's. Loss (mean of each 25 steps): first {:.3}, last {:.3}. Pipeline time: {:.1} min.\n",
-        report.examples,
-        report.positions,
-        report.top_k_greedy.iter().map(|x| format!("{:.1}%", x * 100.0)).collect::<Vec<_>>().join(" | "),
-        report.tau_prompts,
-        report.tau_paper_tree,
-        per_token,
-        curve.first().copied().unwrap_or(f32::NAN),
-        curve.last().copied().unwrap_or(f32::NAN),
-        t0.elapsed().as_secs_f64() / 60.0
-    );
-    std::fs::write(a.out.join("EVAL.md"), &md)?;
-    println!("{md}");
+    Ok(())
+}
+
+fn eval_ensemble(e: EvalArgs) -> Result<()> {
+    let work = default_work(&e.work);
+    let (llm, _) = load_llm(&None)?;
+    let heldout = teacher::read_examples(&work.join("teacher_heldout.jsonl"))?;
+    let ssms: Vec<Llama> = e
+        .ssm
+        .iter()
+        .map(|p| Llama::from_safetensors(p).with_context(|| format!("loading {}", p.display())))
+        .collect::<Result<_>>()?;
+    let ssms: Vec<&Llama> = ssms.iter().collect();
+    let tau_prompts: Vec<Vec<u32>> = heldout.iter().take(10).map(|x| x.prompt.clone()).collect();
+    let mut rows = Vec::new();
+    let mut md = String::new();
+    let mut configs: Vec<(String, Vec<&Llama>)> = e
+        .ssm
+        .iter()
+        .zip(&ssms)
+        .map(|(p, &m)| (p.display().to_string(), vec![m]))
+        .collect();
+    if ssms.len() > 1 {
+        configs.push((e.label.clone(), ssms.clone()));
+    }
+    for (name, members) in configs {
+        eprintln!("evaluating {name}");
+        let mut report = eval::Report::default();
+        eval::alignment(&llm, &members, &heldout, EVAL_TEMPERATURE, &mut report)?;
+        eval::tau(&llm, &members, &tau_prompts, 64, &mut report)?;
+        md += &format!(
+            "| {name} | {} | {} | {:.2} |\n",
+            percent_row(&report.top_k_greedy),
+            percent_row(&report.top_k_stochastic),
+            report.tau_paper_tree
+        );
+        rows.push(serde_json::json!({"ssms": name, "report": report}));
+    }
+    let md_path = e.out.with_extension("md");
+    let mut all = std::fs::read_to_string(&md_path).unwrap_or_else(|_| {
+        format!(
+            "# SSM ensembles on {} held-out prompts\n\nTop-k: the LLM's next token within any member's top-k, greedy (teacher's token) | stochastic (probability of a T = {EVAL_TEMPERATURE} sample). tau: greedy, paper tree, trees merged across members, {} prompts x 64 tokens.\n\n\
+             | SSMs | greedy top-1 | top-2 | top-3 | top-4 | top-5 | stochastic top-1 | top-2 | top-3 | top-4 | top-5 | tau |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+            heldout.len(),
+            tau_prompts.len()
+        )
+    });
+    all += &md;
+    std::fs::write(&md_path, &all)?;
+    let json_path = e.out.with_extension("json");
+    let mut prev: Vec<serde_json::Value> = std::fs::read_to_string(&json_path)
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or_default();
+    prev.extend(rows);
+    std::fs::write(&json_path, serde_json::to_string_pretty(&prev)?)?;
+    println!("{all}");
     Ok(())
 }
 

@@ -205,6 +205,22 @@ pub enum InvalidMessage {
 }
 
 impl Message {
+    /// The variant's name, for error messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::ClientHello(_) => "ClientHello",
+            Message::ServerHello(_) => "ServerHello",
+            Message::OpenSession(_) => "OpenSession",
+            Message::SessionOpened(_) => "SessionOpened",
+            Message::Verify(_) => "Verify",
+            Message::Verified(_) => "Verified",
+            Message::Error(_) => "Error",
+            Message::Close { .. } => "Close",
+            Message::Resume { .. } => "Resume",
+            Message::Resumed { .. } => "Resumed",
+        }
+    }
+
     /// Checks sizes and internal consistency. Vocabulary bounds need the model and are checked by
     /// the verifier with [`TokenTree::validate`].
     pub fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {

@@ -2,8 +2,8 @@
 //! dynamic trees spend exactly their node budget on the most probable paths.
 
 use proptest::prelude::*;
-use specinfer_edge::{merge_trees, DraftMode, DraftModel, Speculator, TreeShape};
 use specinfer_model::ModelError;
+use specinfer_speculator::{merge_trees, DraftMode, DraftModel, Speculator, TreeShape};
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
 fn paths(t: &TokenTree) -> Vec<Vec<u32>> {
@@ -138,7 +138,7 @@ fn dynamic_trees_spend_their_budget_on_the_likeliest_paths() {
 
 /// Rounds where the draft is right up to depth `good` and wrong after it.
 fn feed(
-    c: &mut specinfer_edge::DepthController,
+    c: &mut specinfer_speculator::DepthController,
     good: usize,
     fixed: f64,
     per_node: f64,
@@ -147,7 +147,7 @@ fn feed(
     for _ in 0..200 {
         let depth = c.best_depth();
         let accepted = good.min(depth);
-        c.observe(specinfer_edge::RoundObservation {
+        c.observe(specinfer_speculator::RoundObservation {
             tree_depth: depth,
             tree_nodes: depth + 1,
             accepted,
@@ -160,7 +160,7 @@ fn feed(
 
 #[test]
 fn the_adaptive_depth_follows_acceptance_and_costs() {
-    use specinfer_edge::DepthController;
+    use specinfer_speculator::DepthController;
     // The draft is good for 3 tokens, then never: deeper trees only cost.
     let mut c = DepthController::new(8);
     feed(&mut c, 3, 0.01, 0.001, 0.001);
