@@ -1,15 +1,16 @@
-//! Frames over QUIC streams, shared by the server and the edge client, and TLS set-up.
+//! Frames over streams (QUIC, or WebTransport for browsers), shared by the server and the edge
+//! client, and TLS set-up.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use quinn::{RecvStream, SendStream};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 use specinfer_wire::{
     decode_frame, encode_frame, frame_len, DecodeError, Limits, Message, FRAME_HEADER_BYTES,
 };
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// ALPN of protocol version 1.
 pub const ALPN: &[u8] = b"specinfer/1";
@@ -18,10 +19,6 @@ pub const ALPN: &[u8] = b"specinfer/1";
 pub enum NetError {
     #[error("bad frame from peer: {0}")]
     Decode(#[from] DecodeError),
-    #[error("stream closed: {0}")]
-    Read(#[from] quinn::ReadExactError),
-    #[error("stream write failed: {0}")]
-    Write(#[from] quinn::WriteError),
     #[error("connection failed: {0}")]
     Connection(#[from] quinn::ConnectionError),
     #[error("connect failed: {0}")]
@@ -34,19 +31,30 @@ pub enum NetError {
     Io(#[from] std::io::Error),
     #[error("timed out waiting for the peer")]
     Timeout,
+    #[error("WebTransport: {0}")]
+    WebTransport(String),
 }
 
 /// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames. The
 /// length prefix is checked against the limits before the body buffer is allocated.
-pub async fn read_frame(
-    recv: &mut RecvStream,
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    recv: &mut R,
     limits: &Limits,
 ) -> Result<Option<(Message, usize)>, NetError> {
     let mut header = [0u8; FRAME_HEADER_BYTES];
-    match recv.read_exact(&mut header).await {
-        Ok(()) => {}
-        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
-        Err(e) => return Err(e.into()),
+    let mut got = 0;
+    while got < FRAME_HEADER_BYTES {
+        match recv.read(&mut header[got..]).await? {
+            0 if got == 0 => return Ok(None),
+            0 => {
+                return Err(DecodeError::Truncated {
+                    got,
+                    need: FRAME_HEADER_BYTES,
+                }
+                .into())
+            }
+            n => got += n,
+        }
     }
     let len = frame_len(header, limits)?;
     let mut body = vec![0u8; len];
@@ -58,7 +66,10 @@ pub async fn read_frame(
 }
 
 /// Writes one frame; returns its size in bytes.
-pub async fn write_frame(send: &mut SendStream, msg: &Message) -> Result<usize, NetError> {
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    send: &mut W,
+    msg: &Message,
+) -> Result<usize, NetError> {
     let frame = encode_frame(msg);
     send.write_all(&frame).await?;
     Ok(frame.len())
@@ -93,6 +104,25 @@ impl ServerIdentity {
         })
     }
 
+    /// A fresh self-signed ECDSA P-256 certificate valid for 13 days: what a browser accepts
+    /// through WebTransport's `serverCertificateHashes` (at most 14 days) without any CA.
+    pub fn self_signed_for_browsers(names: &[&str]) -> Result<Self, NetError> {
+        let tls = |e: &dyn std::fmt::Display| NetError::Tls(e.to_string());
+        let mut params =
+            rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .map_err(|e| tls(&e))?;
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(13);
+        let key =
+            rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|e| tls(&e))?;
+        let cert = params.self_signed(&key).map_err(|e| tls(&e))?;
+        Ok(ServerIdentity {
+            certs: vec![cert.der().clone()],
+            key: PrivateKeyDer::try_from(key.serialize_der()).map_err(|e| tls(&e))?,
+        })
+    }
+
     /// A certificate chain and private key from PEM files.
     pub fn from_pem(cert: &Path, key: &Path) -> Result<Self, NetError> {
         let file_err = |p: &Path, e: &dyn std::fmt::Display| NetError::File {
@@ -115,6 +145,12 @@ impl ServerIdentity {
     }
 
     pub fn quinn_config(&self) -> Result<quinn::ServerConfig, NetError> {
+        self.quinn_config_with_alpn(ALPN)
+    }
+
+    /// The server config for another application protocol on the same identity (`h3` for
+    /// WebTransport).
+    pub fn quinn_config_with_alpn(&self, alpn: &[u8]) -> Result<quinn::ServerConfig, NetError> {
         let tls = |e: &dyn std::fmt::Display| NetError::Tls(e.to_string());
         let mut crypto = rustls::ServerConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
@@ -124,7 +160,7 @@ impl ServerIdentity {
         .with_no_client_auth()
         .with_single_cert(self.certs.clone(), self.key.clone_key())
         .map_err(|e| tls(&e))?;
-        crypto.alpn_protocols = vec![ALPN.to_vec()];
+        crypto.alpn_protocols = vec![alpn.to_vec()];
         let quic =
             quinn::crypto::rustls::QuicServerConfig::try_from(crypto).map_err(|e| tls(&e))?;
         let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));

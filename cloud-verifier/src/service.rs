@@ -2,6 +2,10 @@
 //! model fingerprint); every later bidirectional stream carries one session (open or resume,
 //! verify rounds, close). A bad frame closes its stream and session only; the connection and
 //! every other session go on.
+//!
+//! Browsers speak the same protocol over WebTransport (HTTP/3 on QUIC, through
+//! `web-transport-quinn`, which sits on the same quinn and rustls): a WebTransport session is
+//! handled exactly like a native connection, its bidirectional streams like QUIC streams.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -9,12 +13,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use quinn::{Connection, RecvStream, SendStream};
+use std::future::Future;
+
 use specinfer_model::Llama;
 use specinfer_wire::{
     ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, Verified,
     PROTOCOL_VERSION,
 };
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use crate::engine::{self, EngineConfig, EngineError, EngineHandle, SessionId};
 use crate::metrics::Metrics;
@@ -37,12 +43,59 @@ struct Ctx {
     metrics: Arc<Metrics>,
 }
 
-/// A verifier serving on a QUIC endpoint.
+/// What the service needs from a client connection: a native QUIC connection, or a browser's
+/// WebTransport session.
+trait ClientConn: Send + Sync + 'static {
+    type Send: AsyncWrite + Unpin + Send + 'static;
+    type Recv: AsyncRead + Unpin + Send + 'static;
+    fn accept_bi(&self) -> impl Future<Output = Result<(Self::Send, Self::Recv), NetError>> + Send;
+    fn closed(&self) -> impl Future<Output = ()> + Send;
+    fn close(&self, reason: &'static [u8]);
+}
+
+impl ClientConn for quinn::Connection {
+    type Send = quinn::SendStream;
+    type Recv = quinn::RecvStream;
+
+    async fn accept_bi(&self) -> Result<(Self::Send, Self::Recv), NetError> {
+        Ok(quinn::Connection::accept_bi(self).await?)
+    }
+
+    async fn closed(&self) {
+        let _ = quinn::Connection::closed(self).await;
+    }
+
+    fn close(&self, reason: &'static [u8]) {
+        quinn::Connection::close(self, 1u32.into(), reason);
+    }
+}
+
+impl ClientConn for web_transport_quinn::Session {
+    type Send = web_transport_quinn::SendStream;
+    type Recv = web_transport_quinn::RecvStream;
+
+    async fn accept_bi(&self) -> Result<(Self::Send, Self::Recv), NetError> {
+        web_transport_quinn::Session::accept_bi(self)
+            .await
+            .map_err(|e| NetError::WebTransport(e.to_string()))
+    }
+
+    async fn closed(&self) {
+        let _ = web_transport_quinn::Session::closed(self).await;
+    }
+
+    fn close(&self, reason: &'static [u8]) {
+        web_transport_quinn::Session::close(self, 1, reason);
+    }
+}
+
+/// A verifier serving on a QUIC endpoint (and, optionally, a WebTransport one).
 pub struct RunningVerifier {
     endpoint: quinn::Endpoint,
     ctx: Arc<Ctx>,
     engine_thread: Option<std::thread::JoinHandle<()>>,
     accept: tokio::task::JoinHandle<()>,
+    web: Option<(quinn::Endpoint, tokio::task::JoinHandle<()>)>,
 }
 
 /// Starts the engine thread and the QUIC endpoint. Must be called inside a tokio runtime.
@@ -70,6 +123,7 @@ pub fn start(
         ctx,
         engine_thread: Some(engine_thread),
         accept,
+        web: None,
     })
 }
 
@@ -84,16 +138,67 @@ impl RunningVerifier {
         &self.ctx.metrics
     }
 
+    /// Also serves browsers: WebTransport on `listen` with `identity` (for development, one from
+    /// [`ServerIdentity::self_signed_for_browsers`], which a page trusts by its hash). Returns the
+    /// bound address.
+    pub fn serve_webtransport(
+        &mut self,
+        identity: &ServerIdentity,
+        listen: SocketAddr,
+    ) -> Result<SocketAddr, NetError> {
+        let cfg = identity.quinn_config_with_alpn(web_transport_quinn::ALPN.as_bytes())?;
+        let endpoint = quinn::Endpoint::server(cfg, listen)?;
+        let addr = endpoint.local_addr()?;
+        let ctx = self.ctx.clone();
+        let accept_endpoint = endpoint.clone();
+        let task = tokio::spawn(async move {
+            while let Some(incoming) = accept_endpoint.accept().await {
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    let session = async {
+                        let conn = incoming.await?;
+                        web_transport_quinn::Request::accept(conn)
+                            .await
+                            .map_err(|e| NetError::WebTransport(e.to_string()))?
+                            .ok()
+                            .await
+                            .map_err(|e| NetError::WebTransport(e.to_string()))
+                    };
+                    match session.await {
+                        Ok(session) => {
+                            ctx.metrics.connections.fetch_add(1, Ordering::Relaxed);
+                            if let Err(e) = connection(session, &ctx).await {
+                                tracing::debug!("WebTransport session ended: {e}");
+                            }
+                        }
+                        Err(e) => tracing::debug!("WebTransport handshake failed: {e}"),
+                    }
+                });
+            }
+        });
+        tracing::info!(%addr, certificate_sha256 = identity.fingerprint(), "WebTransport listening");
+        self.web = Some((endpoint, task));
+        Ok(addr)
+    }
+
     /// Stops accepting connections, lets queued rounds finish, then closes every connection.
     pub async fn shutdown(mut self) {
         self.endpoint.set_server_config(None);
         self.accept.abort();
+        if let Some((web, task)) = &self.web {
+            web.set_server_config(None);
+            task.abort();
+        }
         self.ctx.engine.shutdown();
         if let Some(t) = self.engine_thread.take() {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
         self.endpoint.close(0u32.into(), b"verifier shutting down");
         let _ = tokio::time::timeout(Duration::from_secs(5), self.endpoint.wait_idle()).await;
+        if let Some((web, _)) = &self.web {
+            web.close(0u32.into(), b"verifier shutting down");
+            let _ = tokio::time::timeout(Duration::from_secs(2), web.wait_idle()).await;
+        }
         tracing::info!("verifier stopped");
     }
 }
@@ -135,7 +240,11 @@ fn engine_error(e: EngineError, session: u64) -> Message {
 }
 
 impl Ctx {
-    async fn send(&self, send: &mut SendStream, msg: &Message) -> Result<(), NetError> {
+    async fn send<W: AsyncWrite + Unpin>(
+        &self,
+        send: &mut W,
+        msg: &Message,
+    ) -> Result<(), NetError> {
         if let Message::Error(e) = msg {
             self.metrics.error(e.code);
         }
@@ -146,7 +255,7 @@ impl Ctx {
         Ok(())
     }
 
-    async fn recv(&self, recv: &mut RecvStream) -> Result<Option<Message>, NetError> {
+    async fn recv<R: AsyncRead + Unpin>(&self, recv: &mut R) -> Result<Option<Message>, NetError> {
         let got = read_frame(recv, &self.cfg.engine.limits).await?;
         Ok(got.map(|(m, n)| {
             self.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
@@ -196,7 +305,7 @@ impl Ctx {
     }
 }
 
-async fn connection(conn: Connection, ctx: &Arc<Ctx>) -> Result<(), NetError> {
+async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetError> {
     let (mut send, mut recv) = tokio::time::timeout(ctx.cfg.hello_timeout, conn.accept_bi())
         .await
         .map_err(|_| NetError::Timeout)??;
@@ -215,10 +324,10 @@ async fn connection(conn: Connection, ctx: &Arc<Ctx>) -> Result<(), NetError> {
     };
     if let Some(refusal) = refusal {
         ctx.send(&mut send, &refusal).await?;
-        let _ = send.finish();
+        let _ = send.shutdown().await;
         // Give the client a moment to read the reason before the connection goes.
         let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-        conn.close(1u32.into(), b"refused");
+        conn.close(b"refused");
         return Ok(());
     }
     let hello = Message::ServerHello(ServerHello {
@@ -244,7 +353,11 @@ struct Bound {
     next_round: u32,
 }
 
-async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
+async fn session_stream<W, R>(mut send: W, mut recv: R, ctx: &Ctx)
+where
+    W: AsyncWrite + Unpin,
+    R: AsyncRead + Unpin,
+{
     let mut bound: Option<Bound> = None;
     let closed_cleanly = loop {
         let msg = match ctx.recv(&mut recv).await {
@@ -261,7 +374,7 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
                         ),
                     )
                     .await;
-                let _ = send.finish();
+                let _ = send.shutdown().await;
                 if let Some(b) = &bound {
                     ctx.engine.close(b.id);
                 }
@@ -329,7 +442,7 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
                             if fatal {
                                 // A tree the model refused: the session ends, the stream with it.
                                 let _ = ctx.send(&mut send, &reply).await;
-                                let _ = send.finish();
+                                let _ = send.shutdown().await;
                                 ctx.engine.close(b.id);
                                 return;
                             }
@@ -368,7 +481,7 @@ async fn session_stream(mut send: SendStream, mut recv: RecvStream, ctx: &Ctx) {
             ctx.engine.detach(b.id);
         }
     }
-    let _ = send.finish();
+    let _ = send.shutdown().await;
 }
 
 /// Serves the metrics in Prometheus text format over plain HTTP (`GET /metrics`).
