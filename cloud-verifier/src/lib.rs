@@ -10,5 +10,6 @@ pub mod net;
 pub mod service;
 pub mod session;
 pub mod verify;
+pub mod web;
 
 pub use session::{verify_batch, RoundOutcome, Session, SessionError};

@@ -169,6 +169,11 @@ impl Tokenizer {
         })
     }
 
+    /// The tokenizer.json text (what [`Tokenizer::save`] writes).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(tk_err)
+    }
+
     /// Writes a tokenizer.json that the HF `tokenizers` libraries (Rust, Python, JS) load.
     pub fn save(&self, path: &Path) -> Result<()> {
         self.inner.save(path, true).map_err(tk_err)

@@ -1,5 +1,6 @@
 //! Tree construction: merging keeps every path of every input (SpecInfer Definition 3.2), and
 //! dynamic trees spend exactly their node budget on the most probable paths.
+#![cfg(not(target_arch = "wasm32"))]
 
 use proptest::prelude::*;
 use specinfer_model::ModelError;

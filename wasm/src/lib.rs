@@ -60,6 +60,8 @@ pub struct BrowserClient {
     shown_chars: usize,
     rounds: u32,
     draft_ms: f64,
+    /// Tree nodes drafted in this answer (the SSM's work).
+    drafted_nodes: usize,
 }
 
 /// Milliseconds since some fixed origin (for draft timing only).
@@ -119,6 +121,7 @@ impl BrowserClient {
             shown_chars: 0,
             rounds: 0,
             draft_ms: 0.0,
+            drafted_nodes: 0,
         })
     }
 
@@ -149,6 +152,7 @@ impl BrowserClient {
         self.shown_chars = 0;
         self.rounds = 0;
         self.draft_ms = 0.0;
+        self.drafted_nodes = 0;
         let params = SamplingParams {
             stop_ids: self.tokenizer.eos().to_vec(),
             ..SamplingParams::greedy(max_tokens)
@@ -172,6 +176,7 @@ impl BrowserClient {
             .speculator
             .draft(&mut self.draft as &mut dyn DraftModel, &self.committed)?;
         self.draft_ms += now_ms() - t0;
+        self.drafted_nodes += tree.len();
         self.in_flight = true;
         Ok(encode_frame(&Message::Verify(Verify {
             session: self.session,
@@ -237,12 +242,19 @@ impl BrowserClient {
         Ok(event.to_string())
     }
 
+    /// Ends the current session (the verifier frees it at once and acknowledges).
+    pub fn close_frame(&self) -> Vec<u8> {
+        encode_frame(&Message::Close {
+            session: self.session,
+        })
+    }
+
     /// The tokens generated so far in this answer.
     pub fn token_ids(&self) -> Vec<u32> {
         self.committed[self.prompt_len.min(self.committed.len())..].to_vec()
     }
 
-    /// `{"tokens","rounds","tau","draft_ms"}` for this answer.
+    /// `{"tokens","rounds","tau","draft_ms","drafted_nodes"}` for this answer.
     pub fn stats(&self) -> String {
         let tokens = self.committed.len().saturating_sub(self.prompt_len);
         serde_json::json!({
@@ -250,6 +262,7 @@ impl BrowserClient {
             "rounds": self.rounds,
             "tau": tokens as f64 / self.rounds.max(1) as f64,
             "draft_ms": self.draft_ms,
+            "drafted_nodes": self.drafted_nodes,
         })
         .to_string()
     }

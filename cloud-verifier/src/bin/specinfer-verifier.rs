@@ -12,6 +12,7 @@ use specinfer_model::{fetch, load_gguf};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::net::ServerIdentity;
 use specinfer_verifier::service::{self, ServiceConfig};
+use specinfer_verifier::web;
 use specinfer_wire::Limits;
 
 #[derive(Parser)]
@@ -80,6 +81,24 @@ struct ServeArgs {
     /// Seconds a session survives a dropped connection, resumable with its token.
     #[arg(long, default_value_t = 30)]
     grace_s: u64,
+    /// Serve the browser demo (a page with the <specinfer-chat> widget) over HTTP on this
+    /// address, and WebTransport for it on --webtransport with a fresh 13-day certificate the
+    /// page trusts by hash. Open http://127.0.0.1:PORT/ (a secure context) in Chromium.
+    #[arg(long)]
+    web: Option<SocketAddr>,
+    /// UDP address of the WebTransport endpoint (with --web).
+    #[arg(long, default_value = "0.0.0.0:4434")]
+    webtransport: SocketAddr,
+    /// Folder with index.html, specinfer-chat.js and pkg/ (web/build.sh builds pkg/).
+    #[arg(long, default_value = "web")]
+    web_dir: PathBuf,
+    /// The SSM the page drafts with.
+    #[arg(long, default_value = "models/ssm")]
+    web_ssm: PathBuf,
+    /// API key handed to the page (one of --api-keys); needed with --web unless
+    /// --insecure-no-auth. Anyone who loads the page sees it.
+    #[arg(long)]
+    web_api_key: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -130,6 +149,15 @@ fn main() -> Result<()> {
     };
     let (model, tokenizer) =
         load_gguf(&llm).with_context(|| format!("loading {}", llm.display()))?;
+    if args.web.is_some() {
+        match (&args.web_api_key, &api_keys) {
+            (Some(k), Some(keys)) if !keys.contains(k) => {
+                bail!("--web-api-key is not one of the --api-keys")
+            }
+            (None, Some(_)) => bail!("with --web and --api-keys, give --web-api-key for the page"),
+            _ => {}
+        }
+    }
     let cfg = ServiceConfig {
         engine: EngineConfig {
             limits: Limits {
@@ -155,8 +183,35 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let server = service::start(Arc::new(model), &identity, args.listen, cfg)?;
+        let mut server = service::start(Arc::new(model), &identity, args.listen, cfg)?;
         println!("listening on {} (QUIC)", server.local_addr());
+        if let Some(addr) = args.web {
+            let browser_identity =
+                ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"])?;
+            let wt = server.serve_webtransport(&browser_identity, args.webtransport)?;
+            let files = web::demo_files(
+                &args.web_dir,
+                &args.web_ssm,
+                &tokenizer,
+                &web::DemoEndpoint {
+                    webtransport_port: wt.port(),
+                    certificate_sha256: browser_identity.fingerprint(),
+                    api_key: args.web_api_key.clone(),
+                },
+            )
+            .map_err(anyhow::Error::msg)?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the web demo on {addr}"))?;
+            println!("browser demo on http://{addr}/ (WebTransport on UDP {wt})");
+            let (reports, mut reported) = tokio::sync::mpsc::unbounded_channel();
+            tokio::spawn(web::serve_web(listener, files, reports));
+            tokio::spawn(async move {
+                while let Some(r) = reported.recv().await {
+                    tracing::info!(report = %r, "page reported an answer");
+                }
+            });
+        }
         if let Some(addr) = args.metrics {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
