@@ -1,10 +1,12 @@
 //! Compute kernels shared by the verifier's engine, the native SSM and training.
 //!
-//! Plain slices in, plain slices out, no tensor framework: the layouts are the ones a CUDA path
-//! would use. Work is spread over rayon's global pool (the one pool of the process); a browser
-//! build will need that behind a feature, as wasm32 has no threads by default.
+//! Plain slices in, plain slices out, no tensor framework: the layouts are the ones the CUDA
+//! kernels (feature `cuda`) use. Work is spread over rayon's global pool (the one pool of the
+//! process); in WebAssembly without threads rayon runs it on the calling thread.
 
 mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod quant;
 pub mod sampling;
 

@@ -110,6 +110,29 @@ pub const ONNXRUNTIME: ModelSource = ModelSource {
     ],
 };
 
+/// NVRTC, to compile the CUDA kernels (feature `cuda`) without a CUDA installation: the library
+/// and the builtins it opens from its own folder, from the `nvidia-cuda-nvrtc-cu12` wheel.
+pub const NVRTC: ModelSource = ModelSource {
+    file_name: "libnvrtc.so.12",
+    packages: &[("nvidia-cuda-nvrtc-cu12", "12.8.93")],
+    member: "nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+    size: 104_487_248,
+    sha256: Some("43731e24cd89e3749826304f304e8aa11fbecf1188715271b1f5018d6212b5e6"),
+    licence: "NVIDIA CUDA Toolkit EULA (redistributable component)",
+    pip_args: &[],
+};
+
+/// The builtins NVRTC loads beside itself (same wheel as [`NVRTC`]).
+pub const NVRTC_BUILTINS: ModelSource = ModelSource {
+    file_name: "libnvrtc-builtins.so.12.8",
+    packages: &[("nvidia-cuda-nvrtc-cu12", "12.8.93")],
+    member: "nvidia/cuda_nvrtc/lib/libnvrtc-builtins.so.12.8",
+    size: 6_338_504,
+    sha256: Some("eccaa824230ee7858a94a3055cb01f1cb634df05d313880d0bdcf195161fcb4e"),
+    licence: "NVIDIA CUDA Toolkit EULA (redistributable component)",
+    pip_args: &[],
+};
+
 /// Where models are cached: `$SPECINFER_CACHE`, else `.cache/specinfer` under the current
 /// directory (git-ignored in this repository).
 pub fn cache_dir() -> PathBuf {

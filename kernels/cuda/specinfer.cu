@@ -1,0 +1,206 @@
+// specinfer's CUDA kernels, compiled at run time by NVRTC (no nvcc at build time).
+//
+// Layouts are the CPU engine's: activations row-major [rows, dim]; each sequence's KV cache per
+// layer position-major [position, kv_heads * head_dim], its committed positions first, then the
+// current tree's nodes in tree order (the scratch region). Projections go through cuBLAS; these
+// kernels are everything between them.
+
+typedef unsigned long long u64;
+
+// NVRTC has no <math.h> macros.
+#define NEG_INF __int_as_float(0xff800000)
+
+// out[r, :] = table[tokens[r], :]. One block per row.
+extern "C" __global__ void embed_rows(float* out, const float* table, const unsigned* tokens, int d) {
+    const int r = blockIdx.x;
+    const float* src = table + (size_t)tokens[r] * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)r * d + i] = src[i];
+}
+
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. One block per row; blockDim.x is a
+// power of two and the dynamic shared memory holds blockDim.x floats.
+extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int d, float eps) {
+    extern __shared__ float part[];
+    const int r = blockIdx.x;
+    const float* xr = x + (size_t)r * d;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s += xr[i] * xr[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+        __syncthreads();
+    }
+    const float scale = rsqrtf(part[0] / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)r * d + i] = xr[i] * scale * w[i];
+}
+
+// Rotary position embedding in place; x is [rows, heads, head_dim]. Pairs are (2i, 2i+1) when
+// `interleaved` (GGUF llama), else (i, i + head_dim/2). Angles in double, as on the CPU.
+extern "C" __global__ void rope(float* x, const int* positions, int heads, int head_dim, float theta,
+                                int interleaved) {
+    const int r = blockIdx.x;
+    const int half = head_dim / 2;
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        const int h = t / half, i = t % half;
+        const double angle = (double)positions[r] * pow((double)theta, -2.0 * i / head_dim);
+        const float c = (float)cos(angle), s = (float)sin(angle);
+        float* head = x + ((size_t)r * heads + h) * head_dim;
+        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+        const float x0 = head[a], x1 = head[b];
+        head[a] = x0 * c - x1 * s;
+        head[b] = x0 * s + x1 * c;
+    }
+}
+
+// g = silu(g) * u (SwiGLU), elementwise.
+extern "C" __global__ void silu_mul(float* g, const float* u, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        const float v = g[i];
+        g[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+// y[r, c] += b[c] (projection bias), elementwise over n = rows * cols.
+extern "C" __global__ void add_bias(float* y, const float* b, u64 n, int cols) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += b[i % cols];
+}
+
+// x += y (residual), elementwise.
+extern "C" __global__ void add_into(float* x, const float* y, u64 n) {
+    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// dst[i, :] = src[idx[i], :]: KV compaction gathers the accepted path's rows into a temporary,
+// which is then copied back behind the committed positions (rows may overlap in place).
+extern "C" __global__ void gather_rows(float* dst, const float* src, const int* idx, int row) {
+    const int i = blockIdx.x;
+    for (int c = threadIdx.x; c < row; c += blockDim.x)
+        dst[(size_t)i * row + c] = src[(size_t)idx[i] * row + c];
+}
+
+// Fused tree attention for every node of every sequence in a batch, one warp per (node, head),
+// online softmax, no mask materialised. Node n of the packed batch belongs to a sequence whose
+// layer cache starts at k_base[n] / v_base[n] (device addresses) and has committed[n] committed
+// positions; it is node node_in_tree[n] of its tree, whose nodes sit at positions committed + j.
+// It sees every committed position and the tree nodes set in its ancestor bitset (itself
+// included): anc[n * words + j / 64] bit j % 64. GQA: head h reads KV head h / (heads / kv_heads).
+// head_dim <= 256.
+extern "C" __global__ void tree_attention(float* out, const float* q, const u64* k_base,
+                                          const u64* v_base, const int* committed,
+                                          const int* node_in_tree, const u64* anc, int words,
+                                          int nodes, int heads, int kv_heads, int head_dim,
+                                          float scale) {
+    const int warps_per_block = blockDim.x / 32;
+    const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (pair >= nodes * heads) return;
+    const int n = pair / heads, h = pair % heads;
+    const int kvh = h / (heads / kv_heads);
+    const int row = kv_heads * head_dim;
+    const float* K = (const float*)k_base[n];
+    const float* V = (const float*)v_base[n];
+    const float* qh = q + ((size_t)n * heads + h) * head_dim;
+    const int per_lane = (head_dim + 31) / 32;
+    float qv[8], acc[8];
+    for (int j = 0; j < per_lane; j++) {
+        const int d = lane + 32 * j;
+        qv[j] = d < head_dim ? qh[d] * scale : 0.0f;
+        acc[j] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    const int c = committed[n], self = node_in_tree[n];
+    const u64* bits = anc + (size_t)n * words;
+    for (int p = 0; p <= c + self; p++) {
+        if (p >= c) {
+            const int j = p - c;
+            if (!((bits[j / 64] >> (j % 64)) & 1ull)) continue;
+        }
+        const float* kp = K + (size_t)p * row + kvh * head_dim;
+        float s = 0.0f;
+        for (int j = 0; j < per_lane; j++) {
+            const int d = lane + 32 * j;
+            if (d < head_dim) s += qv[j] * kp[d];
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float m2 = fmaxf(m, s);
+        const float corr = expf(m - m2), w = expf(s - m2);
+        l = l * corr + w;
+        const float* vp = V + (size_t)p * row + kvh * head_dim;
+        for (int j = 0; j < per_lane; j++) {
+            const int d = lane + 32 * j;
+            acc[j] = acc[j] * corr + (d < head_dim ? w * vp[d] : 0.0f);
+        }
+        m = m2;
+    }
+    float* o = out + ((size_t)n * heads + h) * head_dim;
+    for (int j = 0; j < per_lane; j++) {
+        const int d = lane + 32 * j;
+        if (d < head_dim) o[d] = acc[j] / l;
+    }
+}
+
+// Block-wide reductions over blockDim.x (a power of two) floats of shared memory.
+__device__ float block_max(float* part, float v) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) part[threadIdx.x] = fmaxf(part[threadIdx.x], part[threadIdx.x + k]);
+        __syncthreads();
+    }
+    const float r = part[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_sum(float* part, float v) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+        __syncthreads();
+    }
+    const float r = part[0];
+    __syncthreads();
+    return r;
+}
+
+// Verification distributions: probs[r, :] = softmax(logits[r, :] / temperature), then, when
+// top_p < 1, only the most likely tokens whose mass reaches top_p are kept (the smallest
+// probability threshold found by bisection; the rest become 0) and the row is renormalised.
+// One block per row; dynamic shared memory of blockDim.x floats.
+extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int vocab,
+                                         float inv_temperature, float top_p) {
+    extern __shared__ float part[];
+    const float* x = logits + (size_t)blockIdx.x * vocab;
+    float* p = probs + (size_t)blockIdx.x * vocab;
+    float mx = NEG_INF;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, x[i] * inv_temperature);
+    mx = block_max(part, mx);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float e = expf(x[i] * inv_temperature - mx);
+        p[i] = e;
+        s += e;
+    }
+    s = block_sum(part, s);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] /= s;
+    __syncthreads();
+    if (top_p >= 1.0f) return;
+    // Largest threshold t whose tokens with p >= t still hold top_p of the mass.
+    float lo = 0.0f, hi = 1.0f;
+    for (int it = 0; it < 40; it++) {
+        const float mid = 0.5f * (lo + hi);
+        float kept = 0.0f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) kept += p[i] >= mid ? p[i] : 0.0f;
+        kept = block_sum(part, kept);
+        if (kept >= top_p) lo = mid; else hi = mid;
+    }
+    float kept = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) kept += p[i] >= lo ? p[i] : 0.0f;
+    kept = block_sum(part, kept);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = p[i] >= lo ? p[i] / kept : 0.0f;
+}
