@@ -6,6 +6,9 @@
 
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
+/// The cudarc this crate was built with, for the GPU engine built on these kernels.
+pub use cudarc;
+
 /// All of specinfer's kernels (see `kernels/cuda/specinfer.cu` for layouts and contracts).
 pub const SOURCE: &str = include_str!("../cuda/specinfer.cu");
 

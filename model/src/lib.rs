@@ -4,6 +4,8 @@
 //! node's ancestors; the KV cache keeps the accepted path by moving its entries, not recomputing.
 
 mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod fetch;
 mod kv;
 mod llama;

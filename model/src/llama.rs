@@ -1,7 +1,7 @@
 //! The transformer and its tree-masked forward pass.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use specinfer_kernels::{tree_attention, AttentionShape, F32Matrix, QuantFormat, QuantMatrix};
 use specinfer_wire::TokenTree;
 
@@ -16,6 +16,21 @@ pub(crate) enum Weight {
 }
 
 impl Weight {
+    /// The matrix as f32 `[out, in]`, whatever it is stored as.
+    pub(crate) fn to_f32(&self) -> Result<Vec<f32>> {
+        Ok(match self {
+            Weight::Quant(m) => (0..m.rows()).flat_map(|r| m.dequantize_row(r)).collect(),
+            Weight::F32(m) => m.weights().to_vec(),
+            Weight::Candle(QMatMul::QTensor(t)) => t
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?,
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        })
+    }
+
     /// `(out, in)`.
     pub(crate) fn shape(&self) -> (usize, usize) {
         match self {
@@ -151,6 +166,11 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// Logits of `data.len() / vocab` nodes, row after row.
+    pub fn from_rows(data: Vec<f32>, vocab: usize) -> Self {
+        Logits { data, vocab }
+    }
+
     pub fn node(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }

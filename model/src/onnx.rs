@@ -21,10 +21,7 @@
 
 use std::path::Path;
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device};
-
-use crate::llama::{Linear, Weight};
+use crate::llama::Linear;
 use crate::{Llama, ModelError, Result, RopeStyle};
 
 /// ONNX opset and IR version the graph is written for (ONNX Runtime 1.14 or newer runs it).
@@ -200,23 +197,6 @@ impl Llama {
         let ids = g.init_i64("head_ids", &[rows], &ids);
         g.output(&ids, "head_token_ids", INT64, &[Dim::Fixed(rows)]);
         Ok(g.finish())
-    }
-}
-
-impl Weight {
-    /// The matrix as f32 `[out, in]`, whatever it is stored as.
-    fn to_f32(&self) -> Result<Vec<f32>> {
-        Ok(match self {
-            Weight::Quant(m) => (0..m.rows()).flat_map(|r| m.dequantize_row(r)).collect(),
-            Weight::F32(m) => m.weights().to_vec(),
-            Weight::Candle(QMatMul::QTensor(t)) => t
-                .dequantize(&Device::Cpu)?
-                .flatten_all()?
-                .to_vec1::<f32>()?,
-            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
-            }
-        })
     }
 }
 
