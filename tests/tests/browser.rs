@@ -1,7 +1,7 @@
 //! The browser end to end: headless Chromium loads the demo page, the widget's WebAssembly SSM
 //! drafts, the verifier verifies over WebTransport, and the greedy answer's token ids equal the
-//! native client's for the same prompt. A screenshot of the widget with the answer is saved to
-//! `target/browser-e2e.png`.
+//! native client's for the same prompt. A screenshot of the widget with the answer is saved as
+//! `browser-e2e.png` in Cargo's temporary folder for tests (`target/tmp/`; the path is printed).
 //!
 //! Needs Chromium and the built widget (`web/pkg`, from `web/build.sh`); `scripts/test` provides
 //! both. Without them the test says what is missing and passes only when
@@ -126,7 +126,7 @@ async fn the_browser_widget_answers_like_the_native_client() {
         "browser and native answers differ"
     );
 
-    let shot = repo().join("target/browser-e2e.png");
+    let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("browser-e2e.png");
     let _ = std::fs::remove_file(&shot);
     let report = run_page(&browser, &url, Some(&shot), &mut reported).await;
     assert_eq!(
@@ -139,6 +139,7 @@ async fn the_browser_widget_answers_like_the_native_client() {
         "Chromium left no screenshot at {}",
         shot.display()
     );
+    eprintln!("screenshot of the widget: {}", shot.display());
     server.shutdown().await;
 }
 
