@@ -168,10 +168,18 @@ pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
         }
     }
     fs::create_dir_all(cache).map_err(io(cache))?;
-    let work = cache.join(format!("{}.download", src.file_name));
+    // Private names for this call's downloads, so concurrent fetches of one file (two tests, two
+    // processes) never delete each other's work; the verified file is renamed into place.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = format!(
+        "{}.{}",
+        std::process::id(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let work = cache.join(format!("{}.download.{call}", src.file_name));
     let _ = fs::remove_dir_all(&work);
     fs::create_dir_all(&work).map_err(io(&work))?;
-    let partial = cache.join(format!("{}.partial", src.file_name));
+    let partial = cache.join(format!("{}.partial.{call}", src.file_name));
     let mut out = fs::File::create(&partial).map_err(io(&partial))?;
     for (n, (package, version)) in src.packages.iter().enumerate() {
         eprintln!(

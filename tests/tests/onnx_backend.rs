@@ -13,8 +13,11 @@ use specinfer_model::{fetch, Arch, Llama, ModelConfig};
 use specinfer_wire::TokenTree;
 
 fn runtime() {
-    let lib = fetch::ensure(&fetch::ONNXRUNTIME, &cache_dir()).expect("fetching ONNX Runtime");
-    init_runtime(&lib).expect("loading ONNX Runtime");
+    static LOADED: std::sync::Once = std::sync::Once::new();
+    LOADED.call_once(|| {
+        let lib = fetch::ensure(&fetch::ONNXRUNTIME, &cache_dir()).expect("fetching ONNX Runtime");
+        init_runtime(&lib).expect("loading ONNX Runtime");
+    });
 }
 
 fn export(model: &Llama, name: &str) -> OnnxModel {
