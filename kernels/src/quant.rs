@@ -2,15 +2,12 @@
 //!
 //! Numeric contract (as llama.cpp's): activations are quantized to 8 bits per block of 32 values
 //! (scale = max|x| / 127, round to nearest); each weight block's dot product with an activation
-//! block is computed EXACTLY in integers, as 8 lanes of 4 consecutive products; the float part is
-//! a fixed sequence of operations: block `b`'s lanes, converted to f32, are fused-multiply-added
-//! with `weight scale * activation scale` into lane accumulator set `b % 2` (even and odd blocks
-//! apart, so two blocks go through one 16-lane AVX-512 instruction); the blocks' offset terms
-//! (Q4_0's -8, Q4_1's min, times the activation block's sum) into 8 lanes by `b % 8`; the result
-//! is `hsum8(even + odd) + hsum8(offsets)`. Consequences:
+//! block is computed EXACTLY in integers; the float part is a fixed sequence of scalar operations
+//! per block, in block order. Consequences:
 //! * the result for one activation row never depends on the other rows, the batch size or the
 //!   row's position (batch invariance: speculative output is bit-identical to incremental);
-//! * the AVX-512 (VNNI), AVX2 and portable paths give bit-identical results.
+//! * the AVX2 and the portable paths give bit-identical results (only the exact integer part is
+//!   vectorised).
 //!
 //! Weights are read once per call whatever the number of activation rows: the outer loop runs
 //! over weight rows (each a few hundred bytes, kept in L1 while every activation row is dotted
@@ -166,7 +163,7 @@ impl QuantMatrix {
         assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
         assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
         let acts = QuantizedActs::new(x, n, self.cols);
-        let simd = Simd::detect();
+        let simd = simd_available();
         // Rows are split over the thread pool in chunks large enough to amortise scheduling.
         const CHUNK: usize = 32;
         let mut tr = vec![0f32; self.rows * n];
@@ -184,20 +181,24 @@ impl QuantMatrix {
         }
     }
 
-    /// Dots of weight row `r` with every activation row (see the module's numeric contract).
-    fn row_dots(&self, r: usize, a: &QuantizedActs, simd: Simd, dst: &mut [f32]) {
+    /// Dots of weight row `r` with every activation row.
+    ///
+    /// Per block: the exact integer products are summed in 8 lanes of 4 consecutive elements,
+    /// each lane converted to f32 and fused-multiply-added into a lane accumulator with the block
+    /// scale; the offset/min term goes to a scalar accumulator; at the end the lanes are summed
+    /// in a fixed tree. The SIMD path and the portable path follow exactly these steps.
+    fn row_dots(&self, r: usize, a: &QuantizedActs, simd: bool, dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        match simd {
-            // SAFETY: the variant is only chosen when its features were detected at run time.
-            Simd::Avx512 => return unsafe { avx512::row_dots(self, r, a, dst) },
-            Simd::Avx2 => return unsafe { avx2::row_dots(self, r, a, dst) },
-            Simd::None => {}
+        if simd {
+            // SAFETY: `simd` is only true when AVX2 and FMA were detected at run time.
+            return unsafe { avx2::row_dots(self, r, a, dst) };
         }
         let _ = simd;
         let pb = self.format.packed_bytes();
         let base = r * self.blocks;
         for (i, d) in dst.iter_mut().enumerate() {
-            let mut acc = [[0f32; 8]; 2];
+            let mut acc = [0f32; 8];
+            let mut offset = 0f32;
             for b in 0..self.blocks {
                 let w = &self.qs[(base + b) * pb..(base + b + 1) * pb];
                 let ai = i * self.blocks + b;
@@ -210,37 +211,24 @@ impl QuantMatrix {
                         _ => (w[p - 16] >> 4) as i32,
                     }
                 };
-                for (m, lane) in acc[b % 2].iter_mut().enumerate() {
+                for (m, lane) in acc.iter_mut().enumerate() {
                     let sum: i32 = (4 * m..4 * m + 4).map(|p| value(p) * x[p] as i32).sum();
                     *lane = (sum as f32).mul_add(scale, *lane);
                 }
+                offset += self.offset_term(base + b, a, ai);
             }
-            let mut both = [0f32; 8];
-            for m in 0..8 {
-                both[m] = acc[0][m] + acc[1][m];
-            }
-            *d = hsum8(both) + self.offset_sum(base, a, i * self.blocks);
+            *d = hsum8(acc) + offset;
         }
     }
 
-    /// The offset terms of a row's blocks, `sum_b offsets[wb + b] * dsum[ab + b]`, in 8 lanes by
-    /// `b % 8` then [`hsum8`] (so 8 blocks go through one vector instruction).
-    fn offset_sum(&self, wb: usize, a: &QuantizedActs, ab: usize) -> f32 {
-        if self.format == QuantFormat::Q8_0 {
-            return 0.0;
+    /// The per-block term that does not depend on the weights' values: Q4_0's -8 offset or
+    /// Q4_1's min (precomputed per weight block), times the activation block's sum.
+    #[inline(always)]
+    fn offset_term(&self, wb: usize, a: &QuantizedActs, ai: usize) -> f32 {
+        match self.format {
+            QuantFormat::Q8_0 => 0.0,
+            _ => self.offsets[wb] * a.dsum[ai],
         }
-        let o = &self.offsets[wb..wb + self.blocks];
-        let ds = &a.dsum[ab..ab + self.blocks];
-        #[cfg(target_arch = "x86_64")]
-        if self.blocks >= 8 && std::is_x86_feature_detected!("fma") {
-            // SAFETY: FMA (and so AVX) was detected just above.
-            return unsafe { avx2::offset_sum(o, ds) };
-        }
-        let mut lanes = [0f32; 8];
-        for (b, (o, ds)) in o.iter().zip(ds).enumerate() {
-            lanes[b % 8] = o.mul_add(*ds, lanes[b % 8]);
-        }
-        hsum8(lanes)
     }
 }
 
@@ -285,36 +273,15 @@ impl QuantizedActs {
     }
 }
 
-/// The code path for the integer part. `SPECINFER_SIMD=avx2|none` forces a narrower one (for
-/// before/after measurements; every path gives the same bits).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Simd {
-    None,
-    Avx2,
-    Avx512,
-}
-
-impl Simd {
-    fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let forced = std::env::var("SPECINFER_SIMD").ok();
-            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-            let avx512 = avx2
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni");
-            match forced.as_deref() {
-                Some("none") => Simd::None,
-                Some("avx2") if avx2 => Simd::Avx2,
-                _ if avx512 => Simd::Avx512,
-                _ if avx2 => Simd::Avx2,
-                _ => Simd::None,
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        Simd::None
+fn simd_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::env::var_os("SPECINFER_NO_SIMD").is_none()
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -328,7 +295,7 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn hsum(v: __m256) -> f32 {
+    unsafe fn hsum(v: __m256) -> f32 {
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), v);
         super::hsum8(lanes)
@@ -337,7 +304,7 @@ mod avx2 {
     /// The 32 weights of a block as bytes in element order, and whether they are signed.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn load_block(format: QuantFormat, w: *const u8) -> __m256i {
+    unsafe fn load_block(format: QuantFormat, w: *const u8) -> __m256i {
         match format {
             QuantFormat::Q8_0 => _mm256_loadu_si256(w as *const __m256i),
             _ => {
@@ -353,7 +320,7 @@ mod avx2 {
     /// Exact products summed in 8 lanes of 4 consecutive elements.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn lanes(format: QuantFormat, w: __m256i, x: *const i8) -> __m256i {
+    unsafe fn lanes(format: QuantFormat, w: __m256i, x: *const i8) -> __m256i {
         let xv = _mm256_loadu_si256(x as *const __m256i);
         let p16 = match format {
             // maddubs wants unsigned x signed: move the weights' sign onto the activations.
@@ -373,135 +340,21 @@ mod avx2 {
         let mut start = 0;
         while start < n {
             let g = GROUP.min(n - start);
-            // [row][even/odd block]
-            let mut acc = [[_mm256_setzero_ps(); 2]; GROUP];
+            let mut acc = [_mm256_setzero_ps(); GROUP];
+            let mut offset = [0f32; GROUP];
             for b in 0..m.blocks {
                 let w = load_block(m.format, m.qs.as_ptr().add((base + b) * pb));
                 let sw = m.scales[base + b];
-                for (j, acc) in acc.iter_mut().enumerate().take(g) {
+                for j in 0..g {
                     let ai = (start + j) * m.blocks + b;
                     let l = lanes(m.format, w, a.q.as_ptr().add(ai * BLOCK));
                     let scale = _mm256_set1_ps(sw * a.d[ai]);
-                    acc[b % 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), scale, acc[b % 2]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), scale, acc[j]);
+                    offset[j] += m.offset_term(base + b, a, ai);
                 }
             }
-            for (j, acc) in acc.iter().enumerate().take(g) {
-                let i = start + j;
-                dst[i] = hsum(_mm256_add_ps(acc[0], acc[1])) + m.offset_sum(base, a, i * m.blocks);
-            }
-            start += g;
-        }
-    }
-
-    /// [`QuantMatrix::offset_sum`]'s lanes: 8 blocks per fused multiply-add, the rest in order.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn offset_sum(o: &[f32], ds: &[f32]) -> f32 {
-        let mut v = _mm256_setzero_ps();
-        let full = o.len() / 8 * 8;
-        for b in (0..full).step_by(8) {
-            v = _mm256_fmadd_ps(
-                _mm256_loadu_ps(o.as_ptr().add(b)),
-                _mm256_loadu_ps(ds.as_ptr().add(b)),
-                v,
-            );
-        }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
-        for b in full..o.len() {
-            lanes[b % 8] = o[b].mul_add(ds[b], lanes[b % 8]);
-        }
-        super::hsum8(lanes)
-    }
-}
-
-/// Two blocks per instruction: VNNI's `vpdpbusd` forms the same 8-lanes-of-4 integer sums as the
-/// AVX2 path for the even block in the low half and the odd block in the high half, which are
-/// exactly the contract's two accumulator sets.
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use std::arch::x86_64::*;
-
-    use super::{QuantFormat, QuantMatrix, QuantizedActs, BLOCK};
-
-    const GROUP: usize = 4;
-
-    /// Two consecutive blocks' weights as 64 bytes in element order.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    unsafe fn load_pair(format: QuantFormat, w: *const u8) -> __m512i {
-        match format {
-            QuantFormat::Q8_0 => _mm512_loadu_si512(w as *const __m512i),
-            _ => {
-                let unpack = |p: *const u8| {
-                    let q = _mm_loadu_si128(p as *const __m128i);
-                    let mask = _mm_set1_epi8(0x0F);
-                    let lo = _mm_and_si128(q, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-                    _mm256_set_m128i(hi, lo)
-                };
-                _mm512_inserti64x4(_mm512_castsi256_si512(unpack(w)), unpack(w.add(16)), 1)
-            }
-        }
-    }
-
-    /// Exact products of two blocks summed in 16 lanes of 4 consecutive elements.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    unsafe fn lanes(format: QuantFormat, w: __m512i, x: *const i8) -> __m512i {
-        let xv = _mm512_loadu_si512(x as *const __m512i);
-        let zero = _mm512_setzero_si512();
-        match format {
-            // Unsigned x signed: the weights' magnitude, their sign moved onto the activations.
-            QuantFormat::Q8_0 => {
-                let negative = _mm512_movepi8_mask(w);
-                let x_signed = _mm512_mask_sub_epi8(xv, negative, zero, xv);
-                _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), x_signed)
-            }
-            _ => _mm512_dpbusd_epi32(zero, w, xv),
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub unsafe fn row_dots(m: &QuantMatrix, r: usize, a: &QuantizedActs, dst: &mut [f32]) {
-        let pb = m.format.packed_bytes();
-        let base = r * m.blocks;
-        let pairs = m.blocks / 2;
-        let n = dst.len();
-        let mut start = 0;
-        while start < n {
-            let g = GROUP.min(n - start);
-            // Low half: even blocks; high half: odd blocks.
-            let mut acc = [_mm512_setzero_ps(); GROUP];
-            for p in 0..pairs {
-                let b = 2 * p;
-                let w = load_pair(m.format, m.qs.as_ptr().add((base + b) * pb));
-                let (s0, s1) = (m.scales[base + b], m.scales[base + b + 1]);
-                for (j, acc) in acc.iter_mut().enumerate().take(g) {
-                    let ai = (start + j) * m.blocks + b;
-                    let l = lanes(m.format, w, a.q.as_ptr().add(ai * BLOCK));
-                    let scale = _mm512_insertf32x8(
-                        _mm512_set1_ps(s0 * a.d[ai]),
-                        _mm256_set1_ps(s1 * a.d[ai + 1]),
-                        1,
-                    );
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), scale, *acc);
-                }
-            }
-            for (j, acc) in acc.iter().enumerate().take(g) {
-                let i = start + j;
-                let mut even = _mm512_castps512_ps256(*acc);
-                let odd = _mm512_extractf32x8_ps(*acc, 1);
-                if m.blocks % 2 == 1 {
-                    // The last block is even: the AVX2 path's step.
-                    let b = m.blocks - 1;
-                    let ai = i * m.blocks + b;
-                    let w = super::avx2::load_block(m.format, m.qs.as_ptr().add((base + b) * pb));
-                    let l = super::avx2::lanes(m.format, w, a.q.as_ptr().add(ai * BLOCK));
-                    let scale = _mm256_set1_ps(m.scales[base + b] * a.d[ai]);
-                    even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), scale, even);
-                }
-                dst[i] = super::avx2::hsum(_mm256_add_ps(even, odd))
-                    + m.offset_sum(base, a, i * m.blocks);
+            for j in 0..g {
+                dst[start + j] = hsum(acc[j]) + offset[j];
             }
             start += g;
         }
@@ -585,18 +438,8 @@ mod tests {
     #[test]
     fn a_row_is_bit_identical_whatever_the_batch_and_the_code_path() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
-        // An even and an odd number of blocks (AVX-512 pairs them up), fewer and more than 8
-        // (the offsets' vector width).
-        let shapes = [
-            (QuantFormat::Q4_0, 75, 192),
-            (QuantFormat::Q4_1, 75, 192),
-            (QuantFormat::Q8_0, 75, 192),
-            (QuantFormat::Q4_0, 41, 352),
-            (QuantFormat::Q4_1, 41, 352),
-            (QuantFormat::Q8_0, 41, 352),
-            (QuantFormat::Q4_1, 9, 96),
-        ];
-        for (format, rows, cols) in shapes {
+        for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
+            let (rows, cols) = (75, 192);
             let m = QuantMatrix::from_ggml(
                 format,
                 rows,
@@ -618,21 +461,13 @@ mod tests {
                     "{format:?} row {i} alone vs in a batch of 64"
                 );
             }
-            // Every path the machine has gives the portable path's bits.
-            let acts = QuantizedActs::new(&x[..5 * cols], 5, cols);
-            let best = Simd::detect();
-            let paths: &[Simd] = match best {
-                Simd::Avx512 => &[Simd::Avx512, Simd::Avx2],
-                Simd::Avx2 => &[Simd::Avx2],
-                Simd::None => &[],
-            };
-            for &path in paths {
-                for r in 0..rows {
-                    let (mut a, mut b) = ([0f32; 5], [0f32; 5]);
-                    m.row_dots(r, &acts, path, &mut a);
-                    m.row_dots(r, &acts, Simd::None, &mut b);
-                    assert_eq!(a, b, "{format:?} row {r}: {path:?} and portable differ");
-                }
+            // The portable path gives the same bits as the SIMD one.
+            let acts = QuantizedActs::new(&x[..cols], 1, cols);
+            for r in 0..rows {
+                let (mut a, mut b) = ([0f32], [0f32]);
+                m.row_dots(r, &acts, simd_available(), &mut a);
+                m.row_dots(r, &acts, false, &mut b);
+                assert_eq!(a, b, "{format:?} row {r}: SIMD and portable differ");
             }
         }
     }
