@@ -334,7 +334,7 @@ fn main() -> Result<()> {
     }
     eprintln!("[4] per-token latency vs tree width x concurrent sessions (Figure 10)");
     let (conc_widths, conc_sessions): (&[usize], &[usize]) = if args.quick {
-        (&[0, 1, 3], &[1, 4, 16])
+        (&[0, 3], &[1, 4])
     } else {
         (&[0, 1, 2, 3, 4, 5], &[1, 2, 4, 8, 16])
     };
@@ -417,7 +417,7 @@ fn main() -> Result<()> {
     )?;
 
     eprintln!("[8] Qwen2.5-Coder-1.5B verified with Qwen2.5-Coder-0.5B on HumanEval");
-    let (qwen_prompts, qwen_new) = if args.quick { (2, 48) } else { (4, 64) };
+    let (qwen_prompts, qwen_new) = if args.quick { (1, 32) } else { (4, 64) };
     let qwen = qwen_pair(qwen_prompts, qwen_new)?;
     report.insert(
         "qwen_humaneval".into(),
