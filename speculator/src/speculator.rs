@@ -3,7 +3,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_kernels::sampling::{argmax, distribution, sample, top_k_sparse};
+use specinfer_kernels::sampling::{distribution, sample, top_k_sparse};
 use specinfer_model::ModelError;
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
@@ -130,10 +130,12 @@ impl Speculator {
     }
 
     /// Pipelining: drafts the tree that would follow `in_flight` (just sent, rooted at
-    /// `committed`'s last token) if the verifier accepts its most likely path (every node's first
-    /// child, which is the draft's best, down to a leaf) and then emits the draft's own next
-    /// token. Returns the committed tokens this guess assumes, and the tree; on a miss the
-    /// caller drops both, and the next sync rolls the draft back to what was accepted.
+    /// `committed`'s last token) under its most likely outcome: the verifier accepts the draft's
+    /// best path (every node's first child) to the depth the measured acceptance makes likeliest,
+    /// then emits its own token there, guessed as the draft's best token that is not one of that
+    /// node's children (those would have been accepted). Returns the committed tokens this guess
+    /// assumes, and the tree; on a miss the caller drops both, and the next sync rolls the draft
+    /// back to what was accepted.
     pub fn draft_ahead(
         &mut self,
         model: &mut dyn DraftModel,
@@ -141,16 +143,37 @@ impl Speculator {
         in_flight: &TokenTree,
     ) -> Result<(Vec<u32>, TokenTree), ModelError> {
         let children = in_flight.children();
+        let tree_depth = in_flight.depths().into_iter().max().unwrap_or(0) as usize;
+        let stop = self.depth.likeliest_accepted(tree_depth);
         let mut guess = committed.to_vec();
         let mut node = 0;
-        while let Some(&child) = children[node].first() {
+        for _ in 0..stop {
+            let Some(&child) = children[node].first() else {
+                break;
+            };
             node = child as usize;
             guess.push(in_flight.token(node));
         }
         model.sync(&guess)?;
         let last = *guess.last().expect("committed tokens are never empty");
         let logits = model.extend(&TokenTree::root(last), 0)?;
-        guess.push(argmax(&logits[0]) as u32);
+        let rejected: Vec<u32> = children[node]
+            .iter()
+            .map(|&c| in_flight.token(c as usize))
+            .collect();
+        let bonus = logits[0]
+            .iter()
+            .enumerate()
+            .filter(|(t, _)| !rejected.contains(&(*t as u32)))
+            .fold((0usize, f32::NEG_INFINITY), |best, (t, &l)| {
+                if l > best.1 {
+                    (t, l)
+                } else {
+                    best
+                }
+            })
+            .0;
+        guess.push(bonus as u32);
         let tree = self.draft(model, &guess)?;
         Ok((guess, tree))
     }
@@ -425,6 +448,32 @@ impl DepthController {
             return self.acceptance(d - 1);
         }
         (self.accepted[d] + 1.0) / (self.reached[d] + 2.0)
+    }
+
+    /// The number of tree levels a round most likely accepts, for a tree `depth` levels deep:
+    /// the `d` maximising P(levels 1..=d accepted, level d+1 not), from the measured acceptance.
+    pub fn likeliest_accepted(&self, depth: usize) -> usize {
+        if self.max_depth == 0 {
+            // No per-depth statistics (dynamic trees): guess the root's level only.
+            return 0;
+        }
+        let (mut best, mut best_p) = (0, 0.0);
+        let mut chain = 1.0;
+        for d in 0..=depth {
+            // Levels deeper than those measured share the deepest measured rate.
+            let next = if d < depth {
+                self.acceptance((d + 1).min(self.max_depth))
+            } else {
+                0.0
+            };
+            let p = chain * (1.0 - next);
+            if p > best_p {
+                best = d;
+                best_p = p;
+            }
+            chain *= next;
+        }
+        best
     }
 
     pub fn best_depth(&self) -> usize {
