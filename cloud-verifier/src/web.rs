@@ -66,41 +66,27 @@ pub fn demo_files(
     endpoint: &DemoEndpoint,
 ) -> Result<WebFiles, String> {
     let mut files = WebFiles::default();
-    let add = |files: &mut WebFiles, url: &str, file: &Path| {
-        files.add_file(url, file).map_err(|e| {
-            format!(
-                "{}: {e}{}",
-                file.display(),
-                if file.starts_with(web_dir.join("pkg")) {
-                    " (build the WebAssembly first: web/build.sh)"
-                } else {
-                    ""
-                }
-            )
-        })
-    };
-    add(&mut files, "/index.html", &web_dir.join("index.html"))?;
-    add(
-        &mut files,
-        "/specinfer-chat.js",
-        &web_dir.join("specinfer-chat.js"),
-    )?;
-    add(
-        &mut files,
-        "/pkg/specinfer_wasm.js",
-        &web_dir.join("pkg/specinfer_wasm.js"),
-    )?;
-    add(
-        &mut files,
-        "/pkg/specinfer_wasm_bg.wasm",
-        &web_dir.join("pkg/specinfer_wasm_bg.wasm"),
-    )?;
-    add(&mut files, "/ssm/config.json", &ssm_dir.join("config.json"))?;
-    add(
-        &mut files,
-        "/ssm/model.safetensors",
-        &ssm_dir.join("model.safetensors"),
-    )?;
+    let pkg = web_dir.join("pkg");
+    for (url, file) in [
+        ("/index.html", web_dir.join("index.html")),
+        ("/specinfer-chat.js", web_dir.join("specinfer-chat.js")),
+        ("/pkg/specinfer_wasm.js", pkg.join("specinfer_wasm.js")),
+        (
+            "/pkg/specinfer_wasm_bg.wasm",
+            pkg.join("specinfer_wasm_bg.wasm"),
+        ),
+        ("/ssm/config.json", ssm_dir.join("config.json")),
+        ("/ssm/model.safetensors", ssm_dir.join("model.safetensors")),
+    ] {
+        files.add_file(url, &file).map_err(|e| {
+            let hint = if file.starts_with(&pkg) {
+                " (build the WebAssembly first: web/build.sh)"
+            } else {
+                ""
+            };
+            format!("{}: {e}{hint}", file.display())
+        })?;
+    }
     let json = |v: serde_json::Value| v.to_string().into_bytes();
     files.add(
         "/tokenizer.json",

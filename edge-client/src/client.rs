@@ -184,7 +184,6 @@ impl Client {
                 Err(e) if e.is_connection_loss() && g.reconnects < 3 => {
                     tracing::warn!("lost the verifier ({e}); reconnecting");
                     g.reconnects += 1;
-                    ahead = None;
                     g.bytes_up += session.bytes_up;
                     g.bytes_down += session.bytes_down;
                     self.remote = None;
