@@ -1,10 +1,16 @@
 //! Fused tree attention: every new node attends to the whole committed prefix plus its own
 //! ancestors among the new nodes, read straight from the KV cache with the ancestor bitsets. No
 //! N x N mask is materialised and no K/V is copied.
+//!
+//! The committed prefix is what costs (hundreds to thousands of positions against a handful of
+//! tree nodes), and every node and every query head of a GQA group sees all of it: so each K and
+//! V row of the prefix is read once per call and used for all of them, instead of once per
+//! (node, head). Softmax is two-pass (scores of a row kept, one max, one sum): a tree's score rows
+//! are small, and a row's result then depends on nothing but the row.
 
 use rayon::prelude::*;
 
-use crate::quant::dot8 as dot;
+use crate::lanes::{self, dispatch, Arith};
 
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,9 +33,9 @@ pub struct AttentionShape {
 /// * `out`: `[n, n_heads, head_dim]`.
 ///
 /// Every (node, head) visits its visible positions in the same order (prefix, then ancestors by
-/// index, i.e. by depth) whatever the tree or batch around it, with a two-pass softmax. A node therefore
-/// gets bit-identical output whether it is decoded alone after its path was committed or inside a
-/// tree: the property that makes speculative output equal incremental output exactly.
+/// index, i.e. by depth) with the same operations whatever the tree or batch around it. A node
+/// therefore gets bit-identical output whether it is decoded alone after its path was committed
+/// or inside a tree: the property that makes speculative output equal incremental output exactly.
 #[allow(clippy::too_many_arguments)]
 pub fn tree_attention(
     shape: AttentionShape,
@@ -65,8 +71,6 @@ pub fn tree_attention(
         0,
         "heads must be a multiple of kv heads"
     );
-    let group = n_heads / n_kv_heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
     // The tree positions each node sees (the committed prefix is seen by all).
     let tree_visible: Vec<Vec<usize>> = (0..n)
         .map(|i| {
@@ -77,33 +81,169 @@ pub fn tree_attention(
                 .collect()
         })
         .collect();
-    // One task per (node, head): enough parallelism for a single decoded token too.
-    out.par_chunks_mut(head_dim)
+    // Score rows, one per (node, head): the prefix's scores, then the node's tree positions'.
+    let mut offsets = vec![0];
+    for seen in &tree_visible {
+        for _ in 0..n_heads {
+            offsets.push(offsets.last().unwrap() + past + seen.len());
+        }
+    }
+    let a = Attention {
+        shape,
+        q,
+        k,
+        v,
+        past,
+        n,
+        group: n_heads / n_kv_heads,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        tree_visible: &tree_visible,
+        offsets: &offsets,
+    };
+    let mut scores = vec![0f32; *offsets.last().unwrap()];
+
+    // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every node
+    //    and every query head of its group.
+    const POSITIONS: usize = 64;
+    let chunks = past.div_ceil(POSITIONS);
+    let scores_ptr = SyncPtr(scores.as_mut_ptr());
+    (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
+        let (kh, c) = (t / chunks, t % chunks);
+        let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
+        dispatch!(prefix_scores::<A>(&a, kh, positions, &scores_ptr));
+    });
+
+    // 2. Each row's tree scores and softmax weights.
+    let mut rows: Vec<&mut [f32]> = Vec::with_capacity(n * n_heads);
+    let mut rest = &mut scores[..];
+    for w in offsets.windows(2) {
+        let (row, tail) = rest.split_at_mut(w[1] - w[0]);
+        rows.push(row);
+        rest = tail;
+    }
+    let mut inv_sums = vec![0f32; n * n_heads];
+    rows.par_iter_mut()
+        .zip(inv_sums.par_iter_mut())
         .enumerate()
-        .for_each_init(Vec::new, |scores, (task, o)| {
-            let (i, h) = (task / n_heads, task % n_heads);
-            let kvh = h / group;
-            let qh = &q[i * row + h * head_dim..i * row + (h + 1) * head_dim];
-            let positions = || (0..past).chain(tree_visible[i].iter().copied());
-            scores.clear();
-            scores.extend(positions().map(|pos| {
-                let off = pos * kv_row + kvh * head_dim;
-                dot(qh, &k[off..off + head_dim]) * scale
-            }));
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut denom = 0f32;
-            o.iter_mut().for_each(|x| *x = 0.0);
-            for (pos, s) in positions().zip(scores.iter()) {
-                let w = (s - max).exp();
-                denom += w;
-                let off = pos * kv_row + kvh * head_dim;
-                o.iter_mut()
-                    .zip(&v[off..off + head_dim])
-                    .for_each(|(a, &x)| *a += w * x);
+        .for_each(|(r, (row, inv))| *inv = dispatch!(softmax_row::<A>(&a, r, row)));
+    drop(rows);
+
+    // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
+    //    every node and head, and each output keeps its accumulators in registers.
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    let w = Weights {
+        scores: &scores,
+        inv_sums: &inv_sums,
+        out: &out_ptr,
+    };
+    macro_rules! by_chunk {
+        ($($d:literal)*) => {
+            $(if head_dim.is_multiple_of($d) {
+                let chunks = head_dim / $d;
+                (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
+                    let (kh, d0) = (t / chunks, (t % chunks) * $d);
+                    dispatch!(weighted_values::<A, $d>(&a, kh, d0, &w));
+                });
+                return;
+            })*
+        };
+    }
+    by_chunk!(32 16 8 4 2 1);
+}
+
+/// The inputs of one call, shared by its tasks.
+struct Attention<'a> {
+    shape: AttentionShape,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    past: usize,
+    n: usize,
+    group: usize,
+    scale: f32,
+    tree_visible: &'a [Vec<usize>],
+    offsets: &'a [usize],
+}
+
+impl Attention<'_> {
+    fn query(&self, i: usize, h: usize) -> &[f32] {
+        let hd = self.shape.head_dim;
+        &self.q[(i * self.shape.n_heads + h) * hd..][..hd]
+    }
+
+    /// K or V of kv head `kh` at cache position `pos`, dimensions `d0..d0 + len`.
+    fn at<'c>(&self, cache: &'c [f32], pos: usize, kh: usize, d0: usize, len: usize) -> &'c [f32] {
+        let hd = self.shape.head_dim;
+        &cache[(pos * self.shape.n_kv_heads + kh) * hd + d0..][..len]
+    }
+}
+
+struct Weights<'a> {
+    scores: &'a [f32],
+    inv_sums: &'a [f32],
+    out: &'a SyncPtr,
+}
+
+struct SyncPtr(*mut f32);
+// SAFETY: the tasks of a call write disjoint elements behind the pointer (see each use).
+unsafe impl Sync for SyncPtr {}
+
+#[inline(always)]
+fn prefix_scores<A: Arith>(
+    a: &Attention,
+    kh: usize,
+    positions: std::ops::Range<usize>,
+    scores: &SyncPtr,
+) {
+    let hd = a.shape.head_dim;
+    for i in 0..a.n {
+        for h in kh * a.group..(kh + 1) * a.group {
+            let q = a.query(i, h);
+            let start = a.offsets[i * a.shape.n_heads + h];
+            for pos in positions.clone() {
+                let s = lanes::dot::<A>(q, a.at(a.k, pos, kh, 0, hd)) * a.scale;
+                // SAFETY: prefix entry `pos` of row (i, h) is inside the buffer, and only the
+                // task of (kv head kh, these positions) writes it.
+                unsafe { *scores.0.add(start + pos) = s };
             }
-            let inv = 1.0 / denom;
-            o.iter_mut().for_each(|x| *x *= inv);
-        });
+        }
+    }
+}
+
+/// Fills in the row's tree scores, turns the row into unnormalised weights and returns one over
+/// their sum.
+#[inline(always)]
+fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
+    let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);
+    let (q, kh, hd) = (a.query(i, h), h / a.group, a.shape.head_dim);
+    for (t, &pos) in a.tree_visible[i].iter().enumerate() {
+        row[a.past + t] = lanes::dot::<A>(q, a.at(a.k, pos, kh, 0, hd)) * a.scale;
+    }
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // A node always sees itself: the sum is at least 1.
+    1.0 / lanes::exp_shifted_sum::<A>(row, max)
+}
+
+#[inline(always)]
+fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize, w: &Weights) {
+    let hd = a.shape.head_dim;
+    for i in 0..a.n {
+        for h in kh * a.group..(kh + 1) * a.group {
+            let r = i * a.shape.n_heads + h;
+            let row = &w.scores[a.offsets[r]..a.offsets[r + 1]];
+            let mut acc = [0f32; D];
+            let positions = (0..a.past).chain(a.tree_visible[i].iter().copied());
+            for (pos, &weight) in positions.zip(row) {
+                lanes::axpy::<A>(&mut acc, weight, a.at(a.v, pos, kh, d0, D));
+            }
+            let o = (i * a.shape.n_heads + h) * hd + d0;
+            for (d, x) in acc.iter().enumerate() {
+                // SAFETY: dimensions d0..d0 + D of (i, h) are inside `out`, and only the task of
+                // (kv head kh, these dimensions) writes them.
+                unsafe { *w.out.0.add(o + d) = x * w.inv_sums[r] };
+            }
+        }
+    }
 }
 
 #[cfg(test)]

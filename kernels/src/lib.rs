@@ -7,8 +7,10 @@
 mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod lanes;
 pub mod quant;
 pub mod sampling;
 
 pub use attention::{tree_attention, AttentionShape};
-pub use quant::{F32Matrix, QuantFormat, QuantMatrix};
+pub use lanes::swiglu;
+pub use quant::{matmul_many, F32Matrix, QuantFormat, QuantMatrix};

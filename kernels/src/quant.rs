@@ -1,47 +1,191 @@
 //! Quantized matrix x multi-row activations, the projection kernel of the verifier.
 //!
-//! Numeric contract (as llama.cpp's): activations are quantized to 8 bits per block of 32 values
-//! (scale = max|x| / 127, round to nearest); each weight block's dot product with an activation
-//! block is computed EXACTLY in integers; the float part is a fixed sequence of scalar operations
-//! per block, in block order. Consequences:
-//! * the result for one activation row never depends on the other rows, the batch size or the
-//!   row's position (batch invariance: speculative output is bit-identical to incremental);
-//! * the AVX2 and the portable paths give bit-identical results (only the exact integer part is
-//!   vectorised).
+//! Every GGML format is repacked at load time into one form: per block of `E` weights (32, or 16
+//! for Q6_K) an f32 scale, an optional f32 min and unsigned integers `u` with a per-format zero
+//! point `z`, so that `w = scale * (u - z) + min` reproduces GGML's dequantization exactly.
 //!
-//! Weights are read once per call whatever the number of activation rows: the outer loop runs
-//! over weight rows (each a few hundred bytes, kept in L1 while every activation row is dotted
-//! with it), so small batches stay memory-bound like a single row.
+//! Numeric contract (as llama.cpp's): activations are quantized to 8 bits per block of 32 values
+//! (`da = max|x| / 127`, round to nearest even). For each output (weight row, activation row):
+//! ```text
+//! acc = 0; off = 0
+//! for each weight block s:
+//!     isum = sum over the block of (u - z) * qx          exact, in integers
+//!     acc  = fma(isum as f32, scale_s * da_s, acc)
+//!     off  = fma(min_s, da_s * sum(qx), off)              formats with a min only
+//! result = acc + off
+//! ```
+//! Only the exact integer part differs between code paths, so:
+//! * a row's result never depends on the other rows, the batch size or its position in the batch
+//!   (batch invariance: speculative output is bit-identical to incremental);
+//! * the VNNI, AVX2 and portable paths give bit-identical results.
+//!
+//! Layout: rows are interleaved in groups of 16, so one 512-bit register (or two 256-bit ones)
+//! holds 4 consecutive weights of each of 16 rows and an integer dot instruction against 4
+//! broadcast activation bytes yields 16 row sums at once: no horizontal sums, one float step per
+//! (block, 16 rows), and the
+//! weights of a row group (a few KB, L1-resident) are read once per tile of activation rows, so
+//! small batches stay memory-bound like a single row. 4-bit formats stay 4-bit in memory; the
+//! 5-, 6- and 8-bit formats are stored one byte per weight.
 
 use rayon::prelude::*;
 
-/// GGML block formats this kernel handles (block of 32 weights).
+use crate::lanes::{self, dispatch, Arith};
+
+/// GGML formats this kernel handles (GGML's names).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantFormat {
-    /// f16 scale, 16 bytes of 4-bit values, offset 8.
+    /// 32 weights: f16 scale, 16 bytes of 4-bit values, zero point 8.
     Q4_0,
-    /// f16 scale, f16 min, 16 bytes of 4-bit values.
+    /// 32 weights: f16 scale, f16 min, 16 bytes of 4-bit values.
     Q4_1,
-    /// f16 scale, 32 signed bytes.
+    /// 256 weights: f16 scale and min of the scales, 6-bit scales and mins per 32, 4-bit values.
+    Q4_K,
+    /// 32 weights: f16 scale, 32 high bits, 16 bytes of low nibbles, zero point 16.
+    Q5_0,
+    /// 256 weights: 4+2-bit values, an i8 scale per 16, an f16 scale; zero point 32.
+    Q6_K,
+    /// 32 weights: f16 scale, 32 signed bytes.
     Q8_0,
 }
 
+/// Activations are quantized per block of this many values.
 pub const BLOCK: usize = 32;
+/// Rows interleaved in one group: the i32 lanes of a 512-bit register, or two 256-bit ones.
+const ROWS: usize = 16;
+/// Bytes of one 4-weight group of a row group (4 bytes per row).
+const GROUP_BYTES: usize = 4 * ROWS;
 
 impl QuantFormat {
-    /// Bytes of one block in GGML's layout.
+    /// Bytes of one GGML block.
     pub fn ggml_block_bytes(self) -> usize {
         match self {
             QuantFormat::Q4_0 => 18,
             QuantFormat::Q4_1 => 20,
+            QuantFormat::Q4_K => 144,
+            QuantFormat::Q5_0 => 22,
+            QuantFormat::Q6_K => 210,
             QuantFormat::Q8_0 => 34,
         }
     }
 
-    fn packed_bytes(self) -> usize {
+    /// Weights in one GGML block.
+    pub fn ggml_block_elems(self) -> usize {
         match self {
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 => 16,
-            QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_K | QuantFormat::Q6_K => 256,
+            _ => 32,
+        }
+    }
+
+    /// Weights sharing one scale after repacking.
+    fn elems(self) -> usize {
+        match self {
+            QuantFormat::Q6_K => 16,
+            _ => 32,
+        }
+    }
+
+    fn zero_point(self) -> i32 {
+        match self {
+            QuantFormat::Q4_0 => 8,
+            QuantFormat::Q4_1 | QuantFormat::Q4_K => 0,
+            QuantFormat::Q5_0 => 16,
+            QuantFormat::Q6_K => 32,
+            QuantFormat::Q8_0 => 128,
+        }
+    }
+
+    fn has_mins(self) -> bool {
+        matches!(self, QuantFormat::Q4_1 | QuantFormat::Q4_K)
+    }
+
+    /// Two weights per byte (low nibbles: the block's first half, as in GGML).
+    fn nibbles(self) -> bool {
+        matches!(
+            self,
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q4_K
+        )
+    }
+
+    /// Bytes of one repacked block of a row group.
+    fn packed_bytes(self) -> usize {
+        if self.nibbles() {
+            ROWS * self.elems() / 2
+        } else {
+            ROWS * self.elems()
+        }
+    }
+
+    /// Decodes one GGML block into `u` (the block's weights, element order) and a scale and min
+    /// per repacked block.
+    fn decode(self, b: &[u8], u: &mut [u8], scales: &mut Vec<f32>, mins: &mut Vec<f32>) {
+        match self {
+            QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
+                let q = if self == QuantFormat::Q4_1 {
+                    mins.push(f16(b[2], b[3]));
+                    &b[4..20]
+                } else {
+                    &b[2..18]
+                };
+                scales.push(f16(b[0], b[1]));
+                for (j, &v) in q.iter().enumerate() {
+                    u[j] = v & 0xF;
+                    u[j + 16] = v >> 4;
+                }
+            }
+            QuantFormat::Q5_0 => {
+                scales.push(f16(b[0], b[1]));
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (j, &v) in b[6..22].iter().enumerate() {
+                    u[j] = (v & 0xF) | (((qh >> j) << 4) & 0x10) as u8;
+                    u[j + 16] = (v >> 4) | ((qh >> (j + 12)) & 0x10) as u8;
+                }
+            }
+            QuantFormat::Q8_0 => {
+                scales.push(f16(b[0], b[1]));
+                for (j, &v) in b[2..34].iter().enumerate() {
+                    u[j] = (v as i8 as i32 + 128) as u8;
+                }
+            }
+            QuantFormat::Q4_K => {
+                let (d, dmin) = (f16(b[0], b[1]), f16(b[2], b[3]));
+                let sc = &b[4..16];
+                for j in 0..8 {
+                    let (s, m) = if j < 4 {
+                        (sc[j] & 63, sc[j + 4] & 63)
+                    } else {
+                        (
+                            (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4),
+                            (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
+                        )
+                    };
+                    // Both products are exact in f32 (11-bit by 6-bit mantissas).
+                    scales.push(d * s as f32);
+                    mins.push(-(dmin * m as f32));
+                }
+                for c in 0..4 {
+                    for (l, &v) in b[16 + 32 * c..16 + 32 * (c + 1)].iter().enumerate() {
+                        u[64 * c + l] = v & 0xF;
+                        u[64 * c + 32 + l] = v >> 4;
+                    }
+                }
+            }
+            QuantFormat::Q6_K => {
+                let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
+                let d = f16(b[208], b[209]);
+                // Exact in f32 (11-bit by 8-bit).
+                scales.extend(sc.iter().map(|&s| d * s as i8 as f32));
+                for h in 0..2 {
+                    let (ql, qh) = (&ql[64 * h..], &qh[32 * h..]);
+                    let y = &mut u[128 * h..];
+                    for l in 0..32 {
+                        y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                        y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                        y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                        y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                    }
+                }
+            }
         }
     }
 }
@@ -50,18 +194,19 @@ impl QuantFormat {
 #[error("{0}")]
 pub struct QuantError(String);
 
-/// A `[rows, cols]` weight matrix, repacked from GGML blocks: quantized values contiguous per
-/// row, scales (and mins) as f32 so the hot loop does no f16 conversion.
+/// A `[rows, cols]` weight matrix repacked for the kernel (see the module documentation).
 pub struct QuantMatrix {
     format: QuantFormat,
     rows: usize,
     cols: usize,
+    /// Repacked blocks per row.
     blocks: usize,
+    /// `[row group][block]` of `format.packed_bytes()` each.
     qs: Vec<u8>,
+    /// `[row group][block][16 rows]`.
     scales: Vec<f32>,
+    /// `[row group][block][16 rows]`; empty for formats without a min.
     mins: Vec<f32>,
-    /// Per block: `-8 * scale` (Q4_0) or `min` (Q4_1).
-    offsets: Vec<f32>,
 }
 
 fn f16(lo: u8, hi: u8) -> f32 {
@@ -69,54 +214,75 @@ fn f16(lo: u8, hi: u8) -> f32 {
 }
 
 impl QuantMatrix {
-    /// Repacks GGML blocks (`rows * cols / 32` of them, row-major).
+    /// Repacks GGML blocks (`rows * cols / ggml_block_elems` of them, row-major). Rows need not
+    /// be a multiple of 8 (the last group is padded with zero weights).
     pub fn from_ggml(
         format: QuantFormat,
         rows: usize,
         cols: usize,
         data: &[u8],
     ) -> Result<Self, QuantError> {
-        if cols % BLOCK != 0 {
+        let ge = format.ggml_block_elems();
+        if !cols.is_multiple_of(ge) {
             return Err(QuantError(format!(
-                "{cols} columns are not a multiple of {BLOCK}"
+                "{cols} columns are not a multiple of {format:?}'s block of {ge}"
             )));
         }
-        let blocks = cols / BLOCK;
-        let bb = format.ggml_block_bytes();
-        if data.len() != rows * blocks * bb {
+        let row_bytes = cols / ge * format.ggml_block_bytes();
+        if data.len() != rows * row_bytes {
             return Err(QuantError(format!(
                 "{} bytes for {rows}x{cols} {format:?}, expected {}",
                 data.len(),
-                rows * blocks * bb
+                rows * row_bytes
             )));
         }
-        let pb = format.packed_bytes();
+        let (e, blocks) = (format.elems(), cols / format.elems());
+        let groups = rows.div_ceil(ROWS);
         let mut m = QuantMatrix {
             format,
             rows,
             cols,
             blocks,
-            qs: Vec::with_capacity(rows * blocks * pb),
-            scales: Vec::with_capacity(rows * blocks),
-            mins: Vec::new(),
-            offsets: Vec::new(),
+            qs: vec![0; groups * blocks * format.packed_bytes()],
+            scales: vec![0.0; groups * blocks * ROWS],
+            mins: if format.has_mins() {
+                vec![0.0; groups * blocks * ROWS]
+            } else {
+                Vec::new()
+            },
         };
-        for b in data.chunks_exact(bb) {
-            m.scales.push(f16(b[0], b[1]));
-            match format {
-                QuantFormat::Q4_1 => {
-                    m.mins.push(f16(b[2], b[3]));
-                    m.qs.extend_from_slice(&b[4..20]);
+        let (mut u, mut scales, mut mins) = (vec![0u8; cols], Vec::new(), Vec::new());
+        for (r, row) in data.chunks_exact(row_bytes).enumerate() {
+            scales.clear();
+            mins.clear();
+            for (b, chunk) in row.chunks_exact(format.ggml_block_bytes()).enumerate() {
+                format.decode(chunk, &mut u[b * ge..(b + 1) * ge], &mut scales, &mut mins);
+            }
+            let (g, lane) = (r / ROWS, r % ROWS);
+            for s in 0..blocks {
+                let at = (g * blocks + s) * ROWS + lane;
+                m.scales[at] = scales[s];
+                if format.has_mins() {
+                    m.mins[at] = mins[s];
                 }
-                _ => m.qs.extend_from_slice(&b[2..]),
+                let packed = &mut m.qs[(g * blocks + s) * format.packed_bytes()..];
+                for (c, &v) in u[s * e..(s + 1) * e].iter().enumerate() {
+                    // Group k = c / 4 of the block holds elements 4k..4k+4 of each row.
+                    if format.nibbles() {
+                        let (k, hi) = ((c % 16) / 4, c >= 16);
+                        let at = k * GROUP_BYTES + lane * 4 + c % 4;
+                        packed[at] |= if hi { v << 4 } else { v };
+                    } else {
+                        packed[(c / 4) * GROUP_BYTES + lane * 4 + c % 4] = v;
+                    }
+                }
             }
         }
-        m.offsets = match format {
-            QuantFormat::Q4_0 => m.scales.iter().map(|d| -8.0 * d).collect(),
-            QuantFormat::Q4_1 => m.mins.clone(),
-            QuantFormat::Q8_0 => Vec::new(),
-        };
         Ok(m)
+    }
+
+    pub fn format(&self) -> QuantFormat {
+        self.format
     }
 
     pub fn rows(&self) -> usize {
@@ -127,351 +293,580 @@ impl QuantMatrix {
         self.cols
     }
 
-    /// Weight `(r, c)` as f32 (for references and embeddings).
-    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
-        let pb = self.format.packed_bytes();
-        let mut out = Vec::with_capacity(self.cols);
-        for b in 0..self.blocks {
-            let i = r * self.blocks + b;
-            let qs = &self.qs[i * pb..(i + 1) * pb];
-            let d = self.scales[i];
-            match self.format {
-                QuantFormat::Q8_0 => out.extend(qs.iter().map(|&q| d * (q as i8) as f32)),
-                QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
-                    let m = if self.format == QuantFormat::Q4_1 {
-                        self.mins[i]
-                    } else {
-                        0.0
-                    };
-                    let off = if self.format == QuantFormat::Q4_0 {
-                        8
-                    } else {
-                        0
-                    };
-                    let w = |q: u8| d * (q as i32 - off) as f32 + m;
-                    out.extend(qs.iter().map(|&q| w(q & 0xF)));
-                    out.extend(qs.iter().map(|&q| w(q >> 4)));
-                }
+    /// Stored integer of weight `(r, c)`.
+    fn u(&self, r: usize, c: usize) -> u8 {
+        let (g, lane, e) = (r / ROWS, r % ROWS, self.format.elems());
+        let (s, c) = (c / e, c % e);
+        let packed = &self.qs[(g * self.blocks + s) * self.format.packed_bytes()..];
+        if self.format.nibbles() {
+            let v = packed[((c % 16) / 4) * GROUP_BYTES + lane * 4 + c % 4];
+            if c >= 16 {
+                v >> 4
+            } else {
+                v & 0xF
             }
+        } else {
+            packed[(c / 4) * GROUP_BYTES + lane * 4 + c % 4]
         }
-        out
+    }
+
+    /// Index of (row, block)'s scale and min.
+    fn param(&self, r: usize, s: usize) -> usize {
+        ((r / ROWS) * self.blocks + s) * ROWS + r % ROWS
+    }
+
+    /// Row `r` as f32, exactly as GGML dequantizes it (for references and embeddings).
+    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let (e, z) = (self.format.elems(), self.format.zero_point());
+        (0..self.cols)
+            .map(|c| {
+                let p = self.param(r, c / e);
+                let w = self.scales[p] * (self.u(r, c) as i32 - z) as f32;
+                if self.format.has_mins() {
+                    w + self.mins[p]
+                } else {
+                    w
+                }
+            })
+            .collect()
     }
 
     /// `out[i, r] = sum_c x[i, c] * W[r, c]` for `n` activation rows; `x` is `[n, cols]`, `out`
     /// is `[n, rows]`.
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
-        assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
-        let acts = QuantizedActs::new(x, n, self.cols);
-        let simd = simd_available();
-        // Rows are split over the thread pool in chunks large enough to amortise scheduling.
-        const CHUNK: usize = 32;
-        let mut tr = vec![0f32; self.rows * n];
-        tr.par_chunks_mut(CHUNK * n)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                for (k, dst) in chunk.chunks_mut(n).enumerate() {
-                    self.row_dots(c * CHUNK + k, &acts, simd, dst);
-                }
-            });
-        for (r, col) in tr.chunks(n).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                out[i * self.rows + r] = v;
-            }
-        }
+        matmul_many(&[self], x, n, &mut [out]);
     }
 
-    /// Dots of weight row `r` with every activation row.
-    ///
-    /// Per block: the exact integer products are summed in 8 lanes of 4 consecutive elements,
-    /// each lane converted to f32 and fused-multiply-added into a lane accumulator with the block
-    /// scale; the offset/min term goes to a scalar accumulator; at the end the lanes are summed
-    /// in a fixed tree. The SIMD path and the portable path follow exactly these steps.
-    fn row_dots(&self, r: usize, a: &QuantizedActs, simd: bool, dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: `simd` is only true when AVX2 and FMA were detected at run time.
-            return unsafe { avx2::row_dots(self, r, a, dst) };
-        }
-        let _ = simd;
-        let pb = self.format.packed_bytes();
-        let base = r * self.blocks;
-        for (i, d) in dst.iter_mut().enumerate() {
-            let mut acc = [0f32; 8];
-            let mut offset = 0f32;
-            for b in 0..self.blocks {
-                let w = &self.qs[(base + b) * pb..(base + b + 1) * pb];
-                let ai = i * self.blocks + b;
-                let x = &a.q[ai * BLOCK..(ai + 1) * BLOCK];
-                let scale = self.scales[base + b] * a.d[ai];
-                let value = |p: usize| -> i32 {
-                    match self.format {
-                        QuantFormat::Q8_0 => (w[p] as i8) as i32,
-                        _ if p < 16 => (w[p] & 0xF) as i32,
-                        _ => (w[p - 16] >> 4) as i32,
-                    }
+    /// Row groups per task: enough work to amortise scheduling.
+    const CHUNK: usize = 4;
+
+    /// Task `c` of a product: row groups `c * CHUNK..`, written into their columns of `out`.
+    fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &OutPtr) {
+        let groups = self.rows.div_ceil(ROWS);
+        let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
+        // `[group][activation row]`.
+        let mut dst = vec![[0f32; ROWS]; count * n];
+        self.group_dots(g0, count, acts, path, &mut dst);
+        for (j, dst) in dst.chunks(n).enumerate() {
+            let g = g0 + j;
+            let valid = (self.rows - g * ROWS).min(ROWS);
+            for (i, d) in dst.iter().enumerate() {
+                // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this task
+                // only and lie within it (i < n, g * 16 + valid <= rows).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        d.as_ptr(),
+                        out.0.add(i * self.rows + g * ROWS),
+                        valid,
+                    )
                 };
-                for (m, lane) in acc.iter_mut().enumerate() {
-                    let sum: i32 = (4 * m..4 * m + 4).map(|p| value(p) * x[p] as i32).sum();
-                    *lane = (sum as f32).mul_add(scale, *lane);
-                }
-                offset += self.offset_term(base + b, a, ai);
             }
-            *d = hsum8(acc) + offset;
         }
     }
 
-    /// The per-block term that does not depend on the weights' values: Q4_0's -8 offset or
-    /// Q4_1's min (precomputed per weight block), times the activation block's sum.
-    #[inline(always)]
-    fn offset_term(&self, wb: usize, a: &QuantizedActs, ai: usize) -> f32 {
-        match self.format {
-            QuantFormat::Q8_0 => 0.0,
-            _ => self.offsets[wb] * a.dsum[ai],
+    /// Dots of the rows of groups `g0..g0 + count` with every activation row; `dst` is
+    /// `[group][activation row]`.
+    fn group_dots(
+        &self,
+        g0: usize,
+        count: usize,
+        a: &QuantizedActs,
+        path: Path,
+        dst: &mut [[f32; ROWS]],
+    ) {
+        match path {
+            // SAFETY: each path is only chosen when its CPU features were detected at run time.
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512 => unsafe { avx512::group_dots(self, g0, count, a, dst) },
+            #[cfg(target_arch = "x86_64")]
+            Path::Vnni => unsafe { vnni::group_dots(self, g0, count, a, dst) },
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => unsafe { avx2::group_dots(self, g0, count, a, dst) },
+            Path::Portable => {
+                for (j, dst) in dst.chunks_mut(a.d.len() / self.blocks).enumerate() {
+                    self.group_dots_portable(g0 + j, a, dst)
+                }
+            }
+        }
+    }
+
+    /// The contract written out plainly; the SIMD paths must give the same bits.
+    fn group_dots_portable(&self, g: usize, a: &QuantizedActs, dst: &mut [[f32; ROWS]]) {
+        let (e, z) = (self.format.elems(), self.format.zero_point());
+        for (i, d) in dst.iter_mut().enumerate() {
+            for (lane, d) in d.iter_mut().enumerate() {
+                let r = g * ROWS + lane;
+                let (mut acc, mut off) = (0f32, 0f32);
+                for s in 0..self.blocks {
+                    let ab = i * self.blocks + s;
+                    let p = (g * self.blocks + s) * ROWS + lane;
+                    let isum: i32 = if r < self.rows {
+                        (0..e)
+                            .map(|c| {
+                                (self.u(r, s * e + c) as i32 - z)
+                                    * a.q[i * self.cols + s * e + c] as i32
+                            })
+                            .sum()
+                    } else {
+                        0
+                    };
+                    acc = (isum as f32).mul_add(self.scales[p] * a.d[ab], acc);
+                    if self.format.has_mins() {
+                        off = self.mins[p].mul_add(a.dsum[ab], off);
+                    }
+                }
+                *d = acc + off;
+            }
         }
     }
 }
 
-/// The lane sum both paths use: halves, then pairs, then the last two.
-#[inline(always)]
-fn hsum8(v: [f32; 8]) -> f32 {
-    let t = [v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]];
-    let u = [t[0] + t[2], t[1] + t[3]];
-    u[0] + u[1]
+/// `x` times each of `mats` (one format and width), into `outs` (`[n, rows]` each): the
+/// activations are quantized once and all the matrices' rows share one parallel section, as the
+/// query/key/value and the gate/up projections of a layer do.
+pub fn matmul_many(mats: &[&QuantMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    matmul_many_on(Path::detect(), mats, x, n, outs)
 }
 
-/// Activation rows quantized to 8 bits per block of 32.
+fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    let Some(first) = mats.first() else { return };
+    assert_eq!(mats.len(), outs.len(), "one output per matrix");
+    for (m, out) in mats.iter().zip(outs.iter()) {
+        assert!(
+            m.format == first.format && m.cols == first.cols,
+            "matrices differ in format or width"
+        );
+        assert_eq!(out.len(), n * m.rows, "out is not [n, rows]");
+    }
+    assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
+    let acts = QuantizedActs::new(x, n, first);
+    let outs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let tasks: Vec<(usize, usize)> = mats
+        .iter()
+        .enumerate()
+        .flat_map(|(k, m)| {
+            (0..m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK)).map(move |c| (k, c))
+        })
+        .collect();
+    tasks
+        .into_par_iter()
+        .for_each(|(k, c)| mats[k].chunk(c, &acts, path, n, &outs[k]));
+}
+
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint parts of the buffer behind the pointer (see `matmul`).
+unsafe impl Sync for OutPtr {}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// 512-bit registers, 16 rows per dot instruction (AVX-512 VNNI).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    /// 256-bit registers, `vpdpbusd` (AVX-VNNI).
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+    /// 256-bit registers, `vpmaddubsw` + `vpmaddwd`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+impl Path {
+    /// Every path this CPU can run, fastest first. `SPECINFER_NO_SIMD` leaves only the portable
+    /// one; `SPECINFER_NO_AVX512` and `SPECINFER_NO_VNNI` drop those (for comparisons).
+    fn available() -> Vec<Path> {
+        #[allow(unused_mut)]
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let off = |var: &str| std::env::var_os(var).is_some();
+            if !off("SPECINFER_NO_SIMD")
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+            {
+                if !off("SPECINFER_NO_AVX512")
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+                {
+                    v.push(Path::Avx512);
+                }
+                if !off("SPECINFER_NO_VNNI") && is_x86_feature_detected!("avxvnni") {
+                    v.push(Path::Vnni);
+                }
+                v.push(Path::Avx2);
+            }
+        }
+        v.push(Path::Portable);
+        v
+    }
+
+    fn detect() -> Path {
+        static BEST: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Path::available()[0])
+    }
+}
+
+/// Activation rows quantized to 8 bits per block of 32, with per-(row, weight block) terms.
 struct QuantizedActs {
+    /// `[n, cols]`.
     q: Vec<i8>,
+    /// `[n, blocks]`: the activation scale of each weight block.
     d: Vec<f32>,
-    /// `d * sum(q)` per block.
+    /// `[n, blocks]`: `z * sum(q)` over the block (the zero point's integer correction).
+    corr: Vec<i32>,
+    /// `[n, blocks]`: `d * sum(q)` over the block; formats with a min only.
     dsum: Vec<f32>,
 }
 
 impl QuantizedActs {
-    fn new(x: &[f32], n: usize, cols: usize) -> Self {
-        let blocks = n * cols / BLOCK;
+    fn new(x: &[f32], n: usize, m: &QuantMatrix) -> Self {
+        let (e, z) = (m.format.elems(), m.format.zero_point());
+        let mut q = vec![0i8; x.len()];
+        let mut d32 = vec![0f32; x.len() / BLOCK];
+        lanes::quantize_blocks(x, &mut q, &mut d32);
+        let blocks = n * m.blocks;
         let mut a = QuantizedActs {
-            q: Vec::with_capacity(n * cols),
             d: Vec::with_capacity(blocks),
-            dsum: Vec::with_capacity(blocks),
+            corr: Vec::with_capacity(blocks),
+            dsum: Vec::with_capacity(if m.format.has_mins() { blocks } else { 0 }),
+            q,
         };
-        for block in x.chunks_exact(BLOCK) {
-            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for &v in block {
-                let q = (v * id).round() as i8;
-                sum += q as i32;
-                a.q.push(q);
-            }
+        for (b, qb) in a.q.chunks_exact(e).enumerate() {
+            let d = d32[b * e / BLOCK];
+            let sum: i32 = qb.iter().map(|&v| v as i32).sum();
             a.d.push(d);
-            a.dsum.push(d * sum as f32);
+            a.corr.push(z * sum);
+            if m.format.has_mins() {
+                a.dsum.push(d * sum as f32);
+            }
         }
         a
     }
 }
 
-fn simd_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::env::var_os("SPECINFER_NO_SIMD").is_none()
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+/// The vector operations one x86 path needs. A register holds `LANES` rows (16 or 8) of one
+/// row group; 256-bit paths cover a group in two halves.
+#[cfg(target_arch = "x86_64")]
+macro_rules! vector_ops {
+    ($name:ident, $features:literal, $lanes:literal, $i:ty, $f:ty, centers_q8: $centers:literal,
+     { $($body:item)* }) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use std::arch::x86_64::*;
+
+            pub type I = $i;
+            pub type F = $f;
+            pub const LANES: usize = $lanes;
+            /// Activation rows per pass: their accumulators (two sets each, see `tile`) must fit
+            /// the register file (16 registers of 256 bits, 32 of 512).
+            pub const MAX_T: usize = if $lanes == 16 { 4 } else { 3 };
+            /// Whether `dot::<true>` (Q8_0) re-centres the values itself, so that the caller must
+            /// not subtract the zero point's correction.
+            pub const CENTERS_Q8: bool = $centers;
+
+            $(
+                #[inline]
+                #[target_feature(enable = $features)]
+                $body
+            )*
+        }
+    };
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{QuantFormat, QuantMatrix, QuantizedActs, BLOCK};
-
-    /// Activation rows handled per pass over a weight row (each unpacked block is reused).
-    const GROUP: usize = 4;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
-        super::hsum8(lanes)
+vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni", 16, __m512i, __m512, centers_q8: false, {
+    pub unsafe fn zero_i() -> I { _mm512_setzero_si512() }
+    pub unsafe fn zero_f() -> F { _mm512_setzero_ps() }
+    pub unsafe fn load_i(p: *const u8) -> I { _mm512_loadu_si512(p as *const _) }
+    pub unsafe fn low_nibbles(v: I) -> I { _mm512_and_si512(v, _mm512_set1_epi8(0x0F)) }
+    pub unsafe fn high_nibbles(v: I) -> I {
+        _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
     }
+    pub unsafe fn splat_i(x: i32) -> I { _mm512_set1_epi32(x) }
+    pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I { _mm512_dpbusd_epi32(acc, w, x) }
+    pub unsafe fn add_i(a: I, b: I) -> I { _mm512_add_epi32(a, b) }
+    pub unsafe fn sub_i(a: I, b: I) -> I { _mm512_sub_epi32(a, b) }
+    pub unsafe fn to_f(v: I) -> F { _mm512_cvtepi32_ps(v) }
+    pub unsafe fn load_f(p: *const f32) -> F { _mm512_loadu_ps(p) }
+    pub unsafe fn splat_f(x: f32) -> F { _mm512_set1_ps(x) }
+    pub unsafe fn mul_f(a: F, b: F) -> F { _mm512_mul_ps(a, b) }
+    pub unsafe fn add_f(a: F, b: F) -> F { _mm512_add_ps(a, b) }
+    pub unsafe fn fmadd_f(a: F, b: F, c: F) -> F { _mm512_fmadd_ps(a, b, c) }
+    pub unsafe fn store_f(p: *mut f32, v: F) { _mm512_storeu_ps(p, v) }
+});
 
-    /// The 32 weights of a block as bytes in element order, and whether they are signed.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn load_block(format: QuantFormat, w: *const u8) -> __m256i {
-        match format {
-            QuantFormat::Q8_0 => _mm256_loadu_si256(w as *const __m256i),
-            _ => {
-                let q = _mm_loadu_si128(w as *const __m128i);
-                let mask = _mm_set1_epi8(0x0F);
-                let lo = _mm_and_si128(q, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-                _mm256_set_m128i(hi, lo)
+/// The 256-bit operations both 256-bit paths share, and their exact group dot.
+#[cfg(target_arch = "x86_64")]
+macro_rules! ymm_ops {
+    ($name:ident, $features:literal, centers_q8: $centers:literal, $dot:item) => {
+        vector_ops!($name, $features, 8, __m256i, __m256, centers_q8: $centers, {
+            pub unsafe fn zero_i() -> I { _mm256_setzero_si256() }
+            pub unsafe fn zero_f() -> F { _mm256_setzero_ps() }
+            pub unsafe fn load_i(p: *const u8) -> I { _mm256_loadu_si256(p as *const _) }
+            pub unsafe fn low_nibbles(v: I) -> I { _mm256_and_si256(v, _mm256_set1_epi8(0x0F)) }
+            pub unsafe fn high_nibbles(v: I) -> I {
+                _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
             }
-        }
+            pub unsafe fn splat_i(x: i32) -> I { _mm256_set1_epi32(x) }
+            $dot
+            pub unsafe fn add_i(a: I, b: I) -> I { _mm256_add_epi32(a, b) }
+            pub unsafe fn sub_i(a: I, b: I) -> I { _mm256_sub_epi32(a, b) }
+            pub unsafe fn to_f(v: I) -> F { _mm256_cvtepi32_ps(v) }
+            pub unsafe fn load_f(p: *const f32) -> F { _mm256_loadu_ps(p) }
+            pub unsafe fn splat_f(x: f32) -> F { _mm256_set1_ps(x) }
+            pub unsafe fn mul_f(a: F, b: F) -> F { _mm256_mul_ps(a, b) }
+            pub unsafe fn add_f(a: F, b: F) -> F { _mm256_add_ps(a, b) }
+            pub unsafe fn fmadd_f(a: F, b: F, c: F) -> F { _mm256_fmadd_ps(a, b, c) }
+            pub unsafe fn store_f(p: *mut f32, v: F) { _mm256_storeu_ps(p, v) }
+        });
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+ymm_ops!(ymm_vnni, "avx2,fma,avxvnni", centers_q8: false,
+    pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I {
+        _mm256_dpbusd_avx_epi32(acc, w, x)
     }
+);
 
-    /// Exact products summed in 8 lanes of 4 consecutive elements.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn lanes(format: QuantFormat, w: __m256i, x: *const i8) -> __m256i {
-        let xv = _mm256_loadu_si256(x as *const __m256i);
-        let p16 = match format {
-            // maddubs wants unsigned x signed: move the weights' sign onto the activations.
-            QuantFormat::Q8_0 => {
-                _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
-            }
-            _ => _mm256_maddubs_epi16(w, xv),
+#[cfg(target_arch = "x86_64")]
+ymm_ops!(ymm_avx2, "avx2,fma", centers_q8: true,
+    pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I {
+        let pairs = if Q8 {
+            // Q8_0's `u x` pairs would saturate 16 bits: re-centre the weights (u - 128) and,
+            // as maddubs wants unsigned x signed, move their sign onto x.
+            let s = _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+            _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(x, s))
+        } else {
+            // At most 2 * 63 * 127 per pair: no saturation.
+            _mm256_maddubs_epi16(w, x)
         };
-        _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
+);
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn row_dots(m: &QuantMatrix, r: usize, a: &QuantizedActs, dst: &mut [f32]) {
-        let pb = m.format.packed_bytes();
-        let base = r * m.blocks;
-        let n = dst.len();
-        let mut start = 0;
-        while start < n {
-            let g = GROUP.min(n - start);
-            let mut acc = [_mm256_setzero_ps(); GROUP];
-            let mut offset = [0f32; GROUP];
-            for b in 0..m.blocks {
-                let w = load_block(m.format, m.qs.as_ptr().add((base + b) * pb));
-                let sw = m.scales[base + b];
-                for j in 0..g {
-                    let ai = (start + j) * m.blocks + b;
-                    let l = lanes(m.format, w, a.q.as_ptr().add(ai * BLOCK));
-                    let scale = _mm256_set1_ps(sw * a.d[ai]);
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), scale, acc[j]);
-                    offset[j] += m.offset_term(base + b, a, ai);
+/// One kernel body for the x86 paths, over the operations of `$ops`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_path {
+    ($name:ident, $features:literal, $ops:ident) => {
+        mod $name {
+            use super::$ops::*;
+            use super::{QuantFormat, QuantMatrix, QuantizedActs, GROUP_BYTES, ROWS};
+
+            /// How far ahead the first pass prefetches weights, in blocks (a few KB).
+            const PREFETCH_BLOCKS: usize = 8;
+
+            #[inline(always)]
+            fn prefetch(p: *const u8) {
+                // SAFETY: a prefetch never faults, whatever the address.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
                 }
             }
-            for j in 0..g {
-                dst[start + j] = hsum(acc[j]) + offset[j];
+
+            /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
+            /// (`[activation row]`).
+            #[derive(Clone, Copy)]
+            struct Set {
+                /// Block 0's weights.
+                w: *const u8,
+                /// Block 0's scales and mins.
+                p: usize,
+                dst: *mut [f32; ROWS],
+                lane0: usize,
             }
-            start += g;
+
+            impl Set {
+                fn new(m: &QuantMatrix, g: usize, half: usize, dst: &mut [[f32; ROWS]]) -> Set {
+                    let lane0 = half * LANES;
+                    Set {
+                        w: m.qs[g * m.blocks * m.format.packed_bytes() + 4 * lane0..].as_ptr(),
+                        p: g * m.blocks * ROWS + lane0,
+                        dst: dst.as_mut_ptr(),
+                        lane0,
+                    }
+                }
+            }
+
+            pub(super) unsafe fn group_dots(
+                m: &QuantMatrix,
+                g0: usize,
+                count: usize,
+                a: &QuantizedActs,
+                dst: &mut [[f32; ROWS]],
+            ) {
+                let n = dst.len() / count;
+                let mut d: Vec<&mut [[f32; ROWS]]> = dst.chunks_mut(n).collect();
+                // Passes over two sets of rows, so that each broadcast activation feeds two dot
+                // instructions: two row groups (512-bit), or a group's two halves (256-bit).
+                let mut j = 0;
+                while j < count {
+                    if LANES == ROWS && j + 1 < count {
+                        let (x, y) = d.split_at_mut(j + 1);
+                        let sets = [
+                            Set::new(m, g0 + j, 0, &mut *x[j]),
+                            Set::new(m, g0 + j + 1, 0, &mut *y[0]),
+                        ];
+                        pass::<2>(m, sets, a, n);
+                        j += 2;
+                    } else if LANES == ROWS {
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
+                        j += 1;
+                    } else {
+                        let lo = Set::new(m, g0 + j, 0, &mut *d[j]);
+                        let hi = Set::new(m, g0 + j, 1, &mut *d[j]);
+                        pass::<2>(m, [lo, hi], a, n);
+                        j += 1;
+                    }
+                }
+            }
+
+            unsafe fn pass<const S: usize>(
+                m: &QuantMatrix,
+                sets: [Set; S],
+                a: &QuantizedActs,
+                n: usize,
+            ) {
+                match m.format {
+                    QuantFormat::Q4_0 => rows::<S, 8, true, false, false>(m, sets, a, n),
+                    QuantFormat::Q4_1 | QuantFormat::Q4_K => {
+                        rows::<S, 8, true, true, false>(m, sets, a, n)
+                    }
+                    QuantFormat::Q5_0 => rows::<S, 8, false, false, false>(m, sets, a, n),
+                    QuantFormat::Q6_K => rows::<S, 4, false, false, false>(m, sets, a, n),
+                    QuantFormat::Q8_0 => rows::<S, 8, false, false, true>(m, sets, a, n),
+                }
+            }
+
+            /// `GROUPS` 4-weight groups per block; `NIB`: 4-bit storage; `MINS`: the format
+            /// has a min; `Q8`: the 8-bit format (zero point 128).
+            #[target_feature(enable = $features)]
+            unsafe fn rows<
+                const S: usize,
+                const GROUPS: usize,
+                const NIB: bool,
+                const MINS: bool,
+                const Q8: bool,
+            >(
+                m: &QuantMatrix,
+                sets: [Set; S],
+                a: &QuantizedActs,
+                n: usize,
+            ) {
+                let mut i = 0;
+                // Up to MAX_T activation rows per pass keep every accumulator in a register.
+                while i < n {
+                    i += match (n - i).min(MAX_T) {
+                        1 => tile::<1, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
+                        2 => tile::<2, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
+                        3 => tile::<3, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
+                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
+                    };
+                }
+            }
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn tile<
+                const T: usize,
+                const S: usize,
+                const GROUPS: usize,
+                const NIB: bool,
+                const MINS: bool,
+                const Q8: bool,
+            >(
+                m: &QuantMatrix,
+                sets: [Set; S],
+                a: &QuantizedActs,
+                i0: usize,
+            ) -> usize {
+                let pb = m.format.packed_bytes();
+                let e = 4 * GROUPS;
+                let mut acc = [[zero_f(); S]; T];
+                let mut off = [[zero_f(); S]; T];
+                // With one activation row, two chains per set hide the dot instruction's
+                // latency (integer sums: exact in any order).
+                let chains = if T == 1 { 2 } else { 1 };
+                for s in 0..m.blocks {
+                    if i0 == 0 {
+                        // The first pass streams the weights from memory: ask for them a few
+                        // blocks ahead so the loads overlap the arithmetic.
+                        for set in &sets {
+                            let ahead = set.w.wrapping_add((s + PREFETCH_BLOCKS) * pb);
+                            for line in (0..pb).step_by(64) {
+                                prefetch(ahead.wrapping_add(line));
+                            }
+                        }
+                    }
+                    let mut isum = [[[zero_i(); 2]; S]; T];
+                    for k in 0..GROUPS {
+                        let wk: [I; S] = std::array::from_fn(|j| {
+                            let w = sets[j].w.add(s * pb);
+                            if NIB {
+                                let p = load_i(w.add(GROUP_BYTES * (k % 4)));
+                                if k >= 4 {
+                                    high_nibbles(p)
+                                } else {
+                                    low_nibbles(p)
+                                }
+                            } else {
+                                load_i(w.add(GROUP_BYTES * k))
+                            }
+                        });
+                        for t in 0..T {
+                            let x = a.q.as_ptr().add((i0 + t) * m.cols + s * e + 4 * k);
+                            let xk = splat_i((x as *const i32).read_unaligned());
+                            for j in 0..S {
+                                let c = &mut isum[t][j][k % chains];
+                                *c = dot::<Q8>(*c, wk[j], xk);
+                            }
+                        }
+                    }
+                    for t in 0..T {
+                        let ab = (i0 + t) * m.blocks + s;
+                        let corr = splat_i(*a.corr.get_unchecked(ab));
+                        let da = splat_f(*a.d.get_unchecked(ab));
+                        for j in 0..S {
+                            let [c0, c1] = isum[t][j];
+                            let v = add_i(c0, c1);
+                            let v = if Q8 && CENTERS_Q8 { v } else { sub_i(v, corr) };
+                            let sc = load_f(m.scales.as_ptr().add(sets[j].p + s * ROWS));
+                            acc[t][j] = fmadd_f(to_f(v), mul_f(sc, da), acc[t][j]);
+                        }
+                    }
+                }
+                // The mins' terms accumulate separately (as in the contract): a second pass keeps
+                // the integer loop's registers free.
+                if MINS {
+                    for s in 0..m.blocks {
+                        for t in 0..T {
+                            let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
+                            for j in 0..S {
+                                let mn = load_f(m.mins.as_ptr().add(sets[j].p + s * ROWS));
+                                off[t][j] = fmadd_f(mn, ds, off[t][j]);
+                            }
+                        }
+                    }
+                }
+                for t in 0..T {
+                    for j in 0..S {
+                        let d = (*sets[j].dst.add(i0 + t)).as_mut_ptr().add(sets[j].lane0);
+                        store_f(d, add_f(acc[t][j], off[t][j]));
+                    }
+                }
+                T
+            }
         }
-    }
+    };
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::{Rng, SeedableRng};
-
-    /// GGML blocks with random content (scales in a realistic range).
-    fn random_ggml(format: QuantFormat, rows: usize, cols: usize, rng: &mut impl Rng) -> Vec<u8> {
-        let mut out = Vec::new();
-        for _ in 0..rows * cols / BLOCK {
-            let d = half::f16::from_f32(rng.random_range(0.001..0.05))
-                .to_bits()
-                .to_le_bytes();
-            out.extend_from_slice(&d);
-            if format == QuantFormat::Q4_1 {
-                out.extend_from_slice(
-                    &half::f16::from_f32(rng.random_range(-0.2..0.2))
-                        .to_bits()
-                        .to_le_bytes(),
-                );
-            }
-            let n = format.packed_bytes();
-            out.extend((0..n).map(|_| rng.random::<u8>()));
-        }
-        out
-    }
-
-    fn reference(m: &QuantMatrix, x: &[f32], n: usize) -> Vec<f64> {
-        let w: Vec<Vec<f32>> = (0..m.rows).map(|r| m.dequantize_row(r)).collect();
-        let mut out = vec![0f64; n * m.rows];
-        for i in 0..n {
-            for (r, wr) in w.iter().enumerate() {
-                out[i * m.rows + r] = wr
-                    .iter()
-                    .zip(&x[i * m.cols..(i + 1) * m.cols])
-                    .map(|(a, b)| *a as f64 * *b as f64)
-                    .sum();
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn matches_the_f32_reference_for_every_format_and_odd_shapes() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
-            for &(rows, cols, n) in &[(1, 32, 1), (37, 96, 3), (70, 320, 17), (33, 64, 64)] {
-                let m = QuantMatrix::from_ggml(
-                    format,
-                    rows,
-                    cols,
-                    &random_ggml(format, rows, cols, &mut rng),
-                )
-                .unwrap();
-                let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-                let mut out = vec![0f32; n * rows];
-                m.matmul(&x, n, &mut out);
-                let want = reference(&m, &x, n);
-                // Activations carry 8 bits per block: the error is bounded by the sum of
-                // |w| * max|x| / 254 per column, about 1% of the output's scale here.
-                let scale = want.iter().fold(0f64, |a, b| a.max(b.abs())).max(1e-3);
-                let err = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (*a as f64 - b).abs())
-                    .fold(0f64, f64::max);
-                assert!(
-                    err / scale < 0.02,
-                    "{format:?} {rows}x{cols} n={n}: relative error {}",
-                    err / scale
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn a_row_is_bit_identical_whatever_the_batch_and_the_code_path() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
-        for format in [QuantFormat::Q4_0, QuantFormat::Q4_1, QuantFormat::Q8_0] {
-            let (rows, cols) = (75, 192);
-            let m = QuantMatrix::from_ggml(
-                format,
-                rows,
-                cols,
-                &random_ggml(format, rows, cols, &mut rng),
-            )
-            .unwrap();
-            let x: Vec<f32> = (0..64 * cols)
-                .map(|_| rng.random_range(-3.0..3.0))
-                .collect();
-            let mut all = vec![0f32; 64 * rows];
-            m.matmul(&x, 64, &mut all);
-            for (i, n) in [(0usize, 1usize), (5, 3), (16, 17), (63, 1)] {
-                let mut part = vec![0f32; n * rows];
-                m.matmul(&x[i * cols..(i + n) * cols], n, &mut part);
-                assert_eq!(
-                    &part[..rows],
-                    &all[i * rows..(i + 1) * rows],
-                    "{format:?} row {i} alone vs in a batch of 64"
-                );
-            }
-            // The portable path gives the same bits as the SIMD one.
-            let acts = QuantizedActs::new(&x[..cols], 1, cols);
-            for r in 0..rows {
-                let (mut a, mut b) = ([0f32], [0f32]);
-                m.row_dots(r, &acts, simd_available(), &mut a);
-                m.row_dots(r, &acts, false, &mut b);
-                assert_eq!(a, b, "{format:?} row {r}: SIMD and portable differ");
-            }
-        }
-    }
-}
+#[cfg(target_arch = "x86_64")]
+x86_path!(avx512, "avx512f,avx512bw,avx512vnni", zmm_vnni);
+#[cfg(target_arch = "x86_64")]
+x86_path!(vnni, "avx2,fma,avxvnni", ymm_vnni);
+#[cfg(target_arch = "x86_64")]
+x86_path!(avx2, "avx2,fma", ymm_avx2);
 
 /// A plain f32 `[rows, cols]` weight matrix with the same loop structure as [`QuantMatrix`]:
 /// weights read once per call, a row's result independent of the batch. Used for small draft
@@ -506,12 +901,7 @@ impl F32Matrix {
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
         assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
-        let row = |r: usize, dst: &mut [f32]| {
-            let w = &self.w[r * self.cols..(r + 1) * self.cols];
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = dot8(w, &x[i * self.cols..(i + 1) * self.cols]);
-            }
-        };
+        let row = |r: usize, dst: &mut [f32]| dispatch!(row_dots::<A>(self, r, x, dst));
         let mut tr = vec![0f32; self.rows * n];
         // Below about a million multiply-adds the thread pool costs more than it saves.
         if self.rows * self.cols * n < 1 << 20 {
@@ -536,19 +926,169 @@ impl F32Matrix {
     }
 }
 
-/// Dot product with eight independent accumulators in a fixed order (vectorises, reproducible).
-#[inline]
-pub fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            s[l] += a[c * 8 + l] * b[c * 8 + l];
+/// Dots of weight row `r` with every activation row.
+#[inline(always)]
+fn row_dots<A: Arith>(m: &F32Matrix, r: usize, x: &[f32], dst: &mut [f32]) {
+    let w = &m.w[r * m.cols..(r + 1) * m.cols];
+    for (i, d) in dst.iter_mut().enumerate() {
+        *d = lanes::dot::<A>(w, &x[i * m.cols..(i + 1) * m.cols]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+
+    const FORMATS: [(QuantFormat, GgmlDType); 6] = [
+        (QuantFormat::Q4_0, GgmlDType::Q4_0),
+        (QuantFormat::Q4_1, GgmlDType::Q4_1),
+        (QuantFormat::Q4_K, GgmlDType::Q4K),
+        (QuantFormat::Q5_0, GgmlDType::Q5_0),
+        (QuantFormat::Q6_K, GgmlDType::Q6K),
+        (QuantFormat::Q8_0, GgmlDType::Q8_0),
+    ];
+
+    /// GGML blocks quantized by candle (GGML's reference quantizers) from random weights, and
+    /// candle's dequantization of them.
+    fn ggml(dtype: GgmlDType, rows: usize, cols: usize, rng: &mut impl Rng) -> (Vec<u8>, Vec<f32>) {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0).powi(3) * 0.1)
+            .collect();
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let deq = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        (q.data().unwrap().to_vec(), deq)
+    }
+
+    fn cols_for(format: QuantFormat, c: usize) -> usize {
+        c.div_ceil(format.ggml_block_elems()) * format.ggml_block_elems()
+    }
+
+    #[test]
+    fn repacking_dequantizes_exactly_as_ggml() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for (format, dtype) in FORMATS {
+            let (rows, cols) = (13, 512);
+            let (data, want) = ggml(dtype, rows, cols, &mut rng);
+            let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
+            for r in 0..rows {
+                assert_eq!(
+                    m.dequantize_row(r),
+                    &want[r * cols..(r + 1) * cols],
+                    "{format:?} row {r}"
+                );
+            }
         }
     }
-    let mut tail = 0f32;
-    for j in chunks * 8..a.len() {
-        tail += a[j] * b[j];
+
+    /// f64 products of the dequantized weights with the unquantized activations, and for each
+    /// output the bound that 8-bit activations allow: half a quantization step (`max|x| / 254`
+    /// in x's block) times `|w|`, summed, plus float rounding.
+    fn reference(m: &QuantMatrix, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+        let w: Vec<Vec<f32>> = (0..m.rows).map(|r| m.dequantize_row(r)).collect();
+        let (mut out, mut bound) = (vec![0f64; n * m.rows], vec![0f64; n * m.rows]);
+        for i in 0..n {
+            let x = &x[i * m.cols..(i + 1) * m.cols];
+            let step: Vec<f64> = x
+                .chunks(BLOCK)
+                .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 254.0)
+                .collect();
+            for (r, wr) in w.iter().enumerate() {
+                let at = i * m.rows + r;
+                for (c, (&w, &x)) in wr.iter().zip(x).enumerate() {
+                    out[at] += w as f64 * x as f64;
+                    bound[at] +=
+                        (w as f64).abs() * (step[c / BLOCK] * 1.001 + 1e-6 * x.abs() as f64);
+                }
+            }
+        }
+        (out, bound)
     }
-    hsum8(s) + tail
+
+    #[test]
+    fn matches_the_f32_reference_for_every_format_and_odd_shapes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        for (format, dtype) in FORMATS {
+            for &(rows, cols, n) in &[(1, 32, 1), (37, 96, 3), (70, 320, 17), (33, 64, 64)] {
+                let cols = cols_for(format, cols);
+                let (data, _) = ggml(dtype, rows, cols, &mut rng);
+                let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let (want, bound) = reference(&m, &x, n);
+                for path in Path::available() {
+                    let mut out = vec![f32::NAN; n * rows];
+                    matmul_many_on(path, &[&m], &x, n, &mut [&mut out[..]]);
+                    for (j, ((o, w), b)) in out.iter().zip(&want).zip(&bound).enumerate() {
+                        assert!(
+                            (*o as f64 - w).abs() <= *b,
+                            "{format:?} {path:?} {rows}x{cols} n={n} output {j}: {o} vs {w} (bound {b})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn several_matrices_at_once_give_the_bits_of_each_alone() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let (cols, n) = (256, 5);
+        let mats: Vec<QuantMatrix> = [48, 16, 37]
+            .iter()
+            .map(|&rows| {
+                let (data, _) = ggml(GgmlDType::Q4_1, rows, cols, &mut rng);
+                QuantMatrix::from_ggml(QuantFormat::Q4_1, rows, cols, &data).unwrap()
+            })
+            .collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut outs: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; n * m.rows]).collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+        matmul_many(&mats.iter().collect::<Vec<_>>(), &x, n, &mut slices);
+        for (m, got) in mats.iter().zip(&outs) {
+            let mut alone = vec![0f32; n * m.rows];
+            m.matmul(&x, n, &mut alone);
+            assert_eq!(got, &alone);
+        }
+    }
+
+    #[test]
+    fn a_row_is_bit_identical_whatever_the_batch_and_the_code_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
+        for (format, dtype) in FORMATS {
+            let (rows, cols) = (75, cols_for(format, 192));
+            let (data, _) = ggml(dtype, rows, cols, &mut rng);
+            let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
+            let x: Vec<f32> = (0..64 * cols)
+                .map(|_| rng.random_range(-3.0..3.0))
+                .collect();
+            let mut all = vec![0f32; 64 * rows];
+            matmul_many_on(Path::Portable, &[&m], &x, 64, &mut [&mut all[..]]);
+            for path in Path::available() {
+                for (i, n) in [(0usize, 1usize), (5, 3), (16, 17), (63, 1), (0, 64)] {
+                    let mut part = vec![0f32; n * rows];
+                    matmul_many_on(
+                        path,
+                        &[&m],
+                        &x[i * cols..(i + n) * cols],
+                        n,
+                        &mut [&mut part[..]],
+                    );
+                    assert_eq!(
+                        &part[..rows],
+                        &all[i * rows..(i + 1) * rows],
+                        "{format:?} {path:?}: row {i} in a batch of {n} vs portable in 64"
+                    );
+                }
+            }
+        }
+    }
 }

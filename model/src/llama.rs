@@ -2,7 +2,9 @@
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use specinfer_kernels::{tree_attention, AttentionShape, F32Matrix, QuantFormat, QuantMatrix};
+use specinfer_kernels::{
+    matmul_many, swiglu, tree_attention, AttentionShape, F32Matrix, QuantFormat, QuantMatrix,
+};
 use specinfer_wire::TokenTree;
 
 use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
@@ -63,6 +65,9 @@ impl Weight {
             GgmlDType::Q4_0 => Some(QuantFormat::Q4_0),
             GgmlDType::Q4_1 => Some(QuantFormat::Q4_1),
             GgmlDType::Q8_0 => Some(QuantFormat::Q8_0),
+            GgmlDType::Q4K => Some(QuantFormat::Q4_K),
+            GgmlDType::Q5_0 => Some(QuantFormat::Q5_0),
+            GgmlDType::Q6K => Some(QuantFormat::Q6_K),
             _ => None,
         };
         let candle_forced = std::env::var("SPECINFER_MATMUL").is_ok_and(|v| v == "candle");
@@ -106,13 +111,47 @@ impl Linear {
                 w.forward(&xt)?.flatten_all()?.to_vec1::<f32>()?
             }
         };
+        self.add_bias(&mut y);
+        Ok(y)
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.b {
             for row in y.chunks_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
-        Ok(y)
     }
+}
+
+/// Projections of one input by several linears (a layer's query/key/value, or gate/up): when
+/// all are quantized alike, the input is quantized once and one parallel section covers them.
+fn forward_many<const K: usize>(ls: [&Linear; K], x: &[f32], rows: usize) -> Result<[Vec<f32>; K]> {
+    let quant: Option<Vec<&QuantMatrix>> = ls
+        .iter()
+        .map(|l| match &l.w {
+            Weight::Quant(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    let same = quant.as_ref().is_some_and(|ms| {
+        ms.iter()
+            .all(|m| m.format() == ms[0].format() && m.cols() == ms[0].cols())
+    });
+    let (Some(ms), true) = (quant, same) else {
+        let mut out: [Vec<f32>; K] = std::array::from_fn(|_| Vec::new());
+        for (o, l) in out.iter_mut().zip(ls) {
+            *o = l.forward(x, rows)?;
+        }
+        return Ok(out);
+    };
+    let mut out: [Vec<f32>; K] = std::array::from_fn(|k| vec![0f32; rows * ms[k].rows()]);
+    let mut slices: Vec<&mut [f32]> = out.iter_mut().map(|o| &mut o[..]).collect();
+    matmul_many(&ms, x, rows, &mut slices);
+    for (o, l) in out.iter_mut().zip(ls) {
+        l.add_bias(o);
+    }
+    Ok(out)
 }
 
 pub(crate) struct Layer {
@@ -199,6 +238,14 @@ impl Llama {
     /// packed together (no padding), attention per sequence over its own cache. Afterwards each
     /// cache holds its tree in the scratch region, ready for [`KvCache::compact`].
     pub fn forward(&self, seqs: &mut [SeqTree<'_>]) -> Result<Vec<Logits>> {
+        // The kernels split every projection and attention call over rayon's pool. Run from a
+        // worker of that pool, each split is a local push that the other workers steal while
+        // still spinning; run from outside, each would be a cross-thread injection and a
+        // blocking wait (about 300 per forward of SmolLM2).
+        rayon::scope(|_| self.forward_in_pool(seqs))
+    }
+
+    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>]) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let (d, hd) = (cfg.d_model, cfg.head_dim);
         let shape = AttentionShape {
@@ -252,9 +299,7 @@ impl Llama {
         let mut attn = vec![0f32; rows * q_row];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
-            let mut q = layer.q.forward(&h, rows)?;
-            let mut k = layer.k.forward(&h, rows)?;
-            let v = layer.v.forward(&h, rows)?;
+            let [mut q, mut k, v] = forward_many([&layer.q, &layer.k, &layer.v], &h, rows)?;
             apply_rope(cfg.rope_style, &mut q, hd, &cos, &sin);
             apply_rope(cfg.rope_style, &mut k, hd, &cos, &sin);
             let mut start = 0;
@@ -284,11 +329,8 @@ impl Llama {
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
 
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
-            let mut g = layer.gate.forward(&h, rows)?;
-            let u = layer.up.forward(&h, rows)?;
-            g.iter_mut()
-                .zip(&u)
-                .for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            let [mut g, u] = forward_many([&layer.gate, &layer.up], &h, rows)?;
+            swiglu(&mut g, &u);
             let down = layer.down.forward(&g, rows)?;
             x.iter_mut().zip(&down).for_each(|(x, y)| *x += y);
         }
