@@ -110,7 +110,12 @@ pub fn tree_attention(
     (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
         let (kh, c) = (t / chunks, t % chunks);
         let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
-        dispatch!(prefix_scores::<A>(&a, kh, positions, &scores_ptr));
+        dispatch!(prefix_scores::<A>(
+            a: &Attention = &a,
+            kh: usize = kh,
+            positions: std::ops::Range<usize> = positions,
+            scores: &SyncPtr = &scores_ptr,
+        ));
     });
 
     // 2. Each row's tree scores and softmax weights.
@@ -125,7 +130,7 @@ pub fn tree_attention(
     rows.par_iter_mut()
         .zip(inv_sums.par_iter_mut())
         .enumerate()
-        .for_each(|(r, (row, inv))| *inv = dispatch!(softmax_row::<A>(&a, r, row)));
+        .for_each(|(r, (row, inv))| *inv = dispatch!(softmax_row::<A>(a: &Attention = &a, r: usize = r, row: &mut [f32] = row) -> f32));
     drop(rows);
 
     // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
@@ -142,7 +147,12 @@ pub fn tree_attention(
                 let chunks = head_dim / $d;
                 (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
                     let (kh, d0) = (t / chunks, (t % chunks) * $d);
-                    dispatch!(weighted_values::<A, $d>(&a, kh, d0, &w));
+                    dispatch!(weighted_values::<A, $d>(
+                        a: &Attention = &a,
+                        kh: usize = kh,
+                        d0: usize = d0,
+                        w: &Weights = &w,
+                    ));
                 });
                 return;
             })*
@@ -188,6 +198,41 @@ struct SyncPtr(*mut f32);
 // SAFETY: the tasks of a call write disjoint elements behind the pointer (see each use).
 unsafe impl Sync for SyncPtr {}
 
+/// Heads of a GQA group handled together, so one K or V row feeds several independent chains.
+const HEADS: usize = 4;
+
+/// Calls `$f::<Q>(heads...)` for the query heads of kv head `$kh` in runs of up to [`HEADS`].
+macro_rules! by_heads {
+    ($a:expr, $kh:expr, |$h0:ident, $q:ident| $call:expr) => {{
+        let (first, end) = ($kh * $a.group, ($kh + 1) * $a.group);
+        let mut $h0 = first;
+        while $h0 < end {
+            $h0 += match (end - $h0).min(HEADS) {
+                1 => {
+                    const $q: usize = 1;
+                    $call;
+                    1
+                }
+                2 => {
+                    const $q: usize = 2;
+                    $call;
+                    2
+                }
+                3 => {
+                    const $q: usize = 3;
+                    $call;
+                    3
+                }
+                _ => {
+                    const $q: usize = 4;
+                    $call;
+                    4
+                }
+            };
+        }
+    }};
+}
+
 #[inline(always)]
 fn prefix_scores<A: Arith>(
     a: &Attention,
@@ -195,17 +240,36 @@ fn prefix_scores<A: Arith>(
     positions: std::ops::Range<usize>,
     scores: &SyncPtr,
 ) {
-    let hd = a.shape.head_dim;
     for i in 0..a.n {
-        for h in kh * a.group..(kh + 1) * a.group {
-            let q = a.query(i, h);
-            let start = a.offsets[i * a.shape.n_heads + h];
-            for pos in positions.clone() {
-                let s = lanes::dot::<A>(q, a.at(a.k, pos, kh, 0, hd)) * a.scale;
-                // SAFETY: prefix entry `pos` of row (i, h) is inside the buffer, and only the
-                // task of (kv head kh, these positions) writes it.
-                unsafe { *scores.0.add(start + pos) = s };
-            }
+        by_heads!(a, kh, |h0, Q| prefix_scores_heads::<A, Q>(
+            a,
+            kh,
+            i,
+            h0,
+            positions.clone(),
+            scores
+        ));
+    }
+}
+
+#[inline(always)]
+fn prefix_scores_heads<A: Arith, const Q: usize>(
+    a: &Attention,
+    kh: usize,
+    i: usize,
+    h0: usize,
+    positions: std::ops::Range<usize>,
+    scores: &SyncPtr,
+) {
+    let hd = a.shape.head_dim;
+    let qs: [&[f32]; Q] = std::array::from_fn(|j| a.query(i, h0 + j));
+    let starts: [usize; Q] = std::array::from_fn(|j| a.offsets[i * a.shape.n_heads + h0 + j]);
+    for pos in positions {
+        let s = A::dots::<Q>(qs, a.at(a.k, pos, kh, 0, hd));
+        for j in 0..Q {
+            // SAFETY: prefix entry `pos` of row (i, h0 + j) is inside the buffer, and only the
+            // task of (kv head kh, these positions) writes it.
+            unsafe { *scores.0.add(starts[j] + pos) = s[j] * a.scale };
         }
     }
 }
@@ -217,31 +281,44 @@ fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
     let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);
     let (q, kh, hd) = (a.query(i, h), h / a.group, a.shape.head_dim);
     for (t, &pos) in a.tree_visible[i].iter().enumerate() {
-        row[a.past + t] = lanes::dot::<A>(q, a.at(a.k, pos, kh, 0, hd)) * a.scale;
+        // The same code as the prefix's scores: a position scores the same bits whether it is
+        // committed or an ancestor in the tree.
+        row[a.past + t] = A::dots::<1>([q], a.at(a.k, pos, kh, 0, hd))[0] * a.scale;
     }
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // A node always sees itself: the sum is at least 1.
     1.0 / lanes::exp_shifted_sum::<A>(row, max)
 }
 
+/// Weighted V sums for dimensions `d0..d0 + D` of kv head `kh`, for every node and head of the
+/// group. The prefix goes in blocks of positions, each block's V rows (a few KB) used by every
+/// node and head while they are in L1; then each node's tree positions.
 #[inline(always)]
 fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize, w: &Weights) {
+    const BLOCK: usize = 64;
     let hd = a.shape.head_dim;
-    for i in 0..a.n {
-        for h in kh * a.group..(kh + 1) * a.group {
-            let r = i * a.shape.n_heads + h;
-            let row = &w.scores[a.offsets[r]..a.offsets[r + 1]];
-            let mut acc = [0f32; D];
-            let positions = (0..a.past).chain(a.tree_visible[i].iter().copied());
-            for (pos, &weight) in positions.zip(row) {
-                lanes::axpy::<A>(&mut acc, weight, a.at(a.v, pos, kh, d0, D));
-            }
-            let o = (i * a.shape.n_heads + h) * hd + d0;
-            for (d, x) in acc.iter().enumerate() {
-                // SAFETY: dimensions d0..d0 + D of (i, h) are inside `out`, and only the task of
-                // (kv head kh, these dimensions) writes them.
-                unsafe { *w.out.0.add(o + d) = x * w.inv_sums[r] };
-            }
+    let nkv = a.shape.n_kv_heads;
+    let rows: Vec<usize> = (0..a.n)
+        .flat_map(|i| (kh * a.group..(kh + 1) * a.group).map(move |h| i * a.shape.n_heads + h))
+        .collect();
+    let mut acc = vec![[[0f32; D]; 2]; rows.len()];
+    let weights = |r: usize| &w.scores[a.offsets[r]..a.offsets[r + 1]];
+    let prefix = |t: usize| (t * nkv + kh) * hd + d0;
+    for start in (0..a.past).step_by(BLOCK) {
+        let block = start..(start + BLOCK).min(a.past);
+        for (acc, &r) in acc.iter_mut().zip(&rows) {
+            A::accumulate(acc, a.v, prefix, block.clone(), weights(r));
+        }
+    }
+    for (acc, &r) in acc.iter_mut().zip(&rows) {
+        let seen = &a.tree_visible[r / a.shape.n_heads];
+        let tree = |t: usize| (seen[t - a.past] * nkv + kh) * hd + d0;
+        A::accumulate(acc, a.v, tree, a.past..a.past + seen.len(), weights(r));
+        let o = r * hd + d0;
+        for (d, (even, odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
+            // SAFETY: dimensions d0..d0 + D of row r are inside `out`, and only the task of
+            // (kv head kh, these dimensions) writes them.
+            unsafe { *w.out.0.add(o + d) = (even + odd) * w.inv_sums[r] };
         }
     }
 }

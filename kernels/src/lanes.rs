@@ -5,9 +5,36 @@
 //! depends on the batch around it. The two compilations differ in rounding (fused or separate
 //! multiply-add): a process uses one of them throughout.
 
-/// How a multiply-add rounds.
+/// How a multiply-add rounds, and the two attention loops, which the fused compilation writes
+/// with intrinsics (the compiler does not vectorise their lane arrays reliably).
 pub(crate) trait Arith {
     fn madd(a: f32, b: f32, c: f32) -> f32;
+
+    /// [`dot`] of each of `Q` vectors with `b`, interleaved so the `Q` chains overlap; each
+    /// result is bit-identical to `dot::<Self>(a[j], b)`.
+    #[inline(always)]
+    fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
+        dots_lanes::<Self, Q>(a, b)
+    }
+
+    /// `acc[t % 2] += weights[t] * cache[at(t)..][..D]` for `t` in `ts`, in order: the sums of
+    /// even and odd positions are two chains in flight; callers add them at the end. Splitting
+    /// a range into consecutive calls gives the same bits as one call.
+    #[inline(always)]
+    fn accumulate<const D: usize>(
+        acc: &mut [[f32; D]; 2],
+        cache: &[f32],
+        at: impl Fn(usize) -> usize,
+        ts: std::ops::Range<usize>,
+        weights: &[f32],
+    ) {
+        for t in ts {
+            let row = &cache[at(t)..][..D];
+            for (a, x) in acc[t % 2].iter_mut().zip(row) {
+                *a = Self::madd(weights[t], *x, *a);
+            }
+        }
+    }
 }
 
 /// `a * b + c` rounded twice: fast everywhere, including CPUs and WebAssembly without FMA.
@@ -30,6 +57,117 @@ impl Arith for Fused {
     fn madd(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
     }
+
+    #[inline(always)]
+    fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
+        // SAFETY: `Fused` only runs inside `avx2,fma` functions (see `dispatch`).
+        unsafe { fused::dots(a, b) }
+    }
+
+    #[inline(always)]
+    fn accumulate<const D: usize>(
+        acc: &mut [[f32; D]; 2],
+        cache: &[f32],
+        at: impl Fn(usize) -> usize,
+        ts: std::ops::Range<usize>,
+        weights: &[f32],
+    ) {
+        if D.is_multiple_of(8) && D <= 32 {
+            // SAFETY: as above.
+            unsafe { fused::accumulate(acc, cache, at, ts, weights) }
+        } else {
+            for t in ts {
+                let row = &cache[at(t)..][..D];
+                for (a, x) in acc[t % 2].iter_mut().zip(row) {
+                    *a = Self::madd(weights[t], *x, *a);
+                }
+            }
+        }
+    }
+}
+
+/// The fused loops in 256-bit intrinsics, operation for operation the lane code's.
+#[cfg(target_arch = "x86_64")]
+mod fused {
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
+        let chunks = b.len() / 8;
+        let a = a.map(|x| &x[..b.len()]);
+        let mut s = [_mm256_setzero_ps(); Q];
+        for c in 0..chunks {
+            let y = _mm256_loadu_ps(b.as_ptr().add(8 * c));
+            for j in 0..Q {
+                s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a[j].as_ptr().add(8 * c)), y, s[j]);
+            }
+        }
+        let mut out = [0f32; Q];
+        for j in 0..Q {
+            let mut tail = 0f32;
+            for (x, y) in a[j][chunks * 8..].iter().zip(&b[chunks * 8..]) {
+                tail = x.mul_add(*y, tail);
+            }
+            out[j] = hsum8(s[j]) + tail;
+        }
+        out
+    }
+
+    /// [`super::hsum8`]'s additions in its order: halves, pairs, the last two.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        let t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
+    }
+
+    /// `D` is a multiple of 8, at most 32: the accumulators stay in registers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn accumulate<const D: usize>(
+        acc: &mut [[f32; D]; 2],
+        cache: &[f32],
+        at: impl Fn(usize) -> usize,
+        ts: std::ops::Range<usize>,
+        weights: &[f32],
+    ) {
+        let load = |a: &[f32; D]| -> [__m256; 4] {
+            std::array::from_fn(|c| {
+                if c < D / 8 {
+                    _mm256_loadu_ps(a.as_ptr().add(8 * c))
+                } else {
+                    _mm256_setzero_ps()
+                }
+            })
+        };
+        let (mut even, mut odd) = (load(&acc[0]), load(&acc[1]));
+        let step = |acc: &mut [__m256; 4], t: usize| {
+            let row = cache[at(t)..][..D].as_ptr();
+            let w = _mm256_set1_ps(weights[t]);
+            for (c, acc) in acc.iter_mut().enumerate().take(D / 8) {
+                *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * c)), *acc);
+            }
+        };
+        let mut t = ts.start;
+        if t % 2 == 1 && t < ts.end {
+            step(&mut odd, t);
+            t += 1;
+        }
+        while t + 1 < ts.end {
+            step(&mut even, t);
+            step(&mut odd, t + 1);
+            t += 2;
+        }
+        if t < ts.end {
+            step(&mut even, t);
+        }
+        for c in 0..D / 8 {
+            _mm256_storeu_ps(acc[0].as_mut_ptr().add(8 * c), even[c]);
+            _mm256_storeu_ps(acc[1].as_mut_ptr().add(8 * c), odd[c]);
+        }
+    }
 }
 
 /// Whether the `avx2,fma` compilation may run here (`SPECINFER_NO_SIMD` turns it off).
@@ -44,25 +182,28 @@ pub(crate) fn avx2_fma() -> bool {
     false
 }
 
-/// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX2+FMA when the CPU has it.
+/// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX2+FMA
+/// when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
+/// function of its own with those parameters, so the generic body is inlined into code that has
+/// the features from the start (unrolled and vectorised with them).
 macro_rules! dispatch {
-    ($f:ident :: <A $(, $c:tt)*>($($arg:expr),* $(,)?)) => {{
+    ($f:ident :: <A $(, $c:tt)*>($($arg:ident : $ty:ty = $val:expr),* $(,)?) $(-> $ret:ty)?) => {{
         #[cfg(target_arch = "x86_64")]
         {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fused($($arg: $ty),*) $(-> $ret)? {
+                $f::<$crate::lanes::Fused $(, $c)*>($($arg),*)
+            }
             if $crate::lanes::avx2_fma() {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn fused<R>(f: impl FnOnce() -> R) -> R {
-                    f()
-                }
                 // SAFETY: AVX2 and FMA were detected at run time.
-                unsafe { fused(|| $f::<$crate::lanes::Fused $(, $c)*>($($arg),*)) }
+                unsafe { fused($($val),*) }
             } else {
-                $f::<$crate::lanes::Plain $(, $c)*>($($arg),*)
+                $f::<$crate::lanes::Plain $(, $c)*>($($val),*)
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            $f::<$crate::lanes::Plain $(, $c)*>($($arg),*)
+            $f::<$crate::lanes::Plain $(, $c)*>($($val),*)
         }
     }};
 }
@@ -94,12 +235,26 @@ pub(crate) fn dot<A: Arith>(a: &[f32], b: &[f32]) -> f32 {
     hsum8(s) + tail
 }
 
-/// `acc += w * x`, elementwise.
 #[inline(always)]
-pub(crate) fn axpy<A: Arith>(acc: &mut [f32], w: f32, x: &[f32]) {
-    for (a, x) in acc.iter_mut().zip(x) {
-        *a = A::madd(w, *x, *a);
+fn dots_lanes<A: Arith + ?Sized, const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
+    let (bc, bt) = b.as_chunks::<8>();
+    let ac = a.map(|x| &x[..b.len()].as_chunks::<8>().0[..bc.len()]);
+    let mut s = [[0f32; 8]; Q];
+    for (c, y) in bc.iter().enumerate() {
+        for j in 0..Q {
+            let x = &ac[j][c];
+            for l in 0..8 {
+                s[j][l] = A::madd(x[l], y[l], s[j][l]);
+            }
+        }
     }
+    std::array::from_fn(|j| {
+        let mut tail = 0f32;
+        for (x, y) in a[j][bc.len() * 8..b.len()].iter().zip(bt) {
+            tail = A::madd(*x, *y, tail);
+        }
+        hsum8(s[j]) + tail
+    })
 }
 
 /// `exp(x)` for `x <= 0` (softmax weights), to about 2 ulp, in code that vectorises: range
@@ -134,7 +289,7 @@ fn exp_nonpositive<A: Arith>(x: f32) -> f32 {
 /// `sigmoid(g)` is `1 / (1 + e)` for `g >= 0` and `e / (1 + e)` below, `e = exp(-|g|)`.
 pub fn swiglu(g: &mut [f32], u: &[f32]) {
     assert_eq!(g.len(), u.len(), "gate and up differ in length");
-    dispatch!(swiglu_lanes::<A>(g, u))
+    dispatch!(swiglu_lanes::<A>(g: &mut [f32] = g, u: &[f32] = u))
 }
 
 #[inline(always)]
@@ -149,7 +304,7 @@ fn swiglu_lanes<A: Arith>(g: &mut [f32], u: &[f32]) {
 /// Quantizes `x` to 8 bits per block of 32 (`d = max|x| / 127`, round to nearest even), writing
 /// `q` and one `d` per block.
 pub(crate) fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    dispatch!(quantize_lanes::<A>(x, q, d))
+    dispatch!(quantize_lanes::<A>(x: &[f32] = x, q: &mut [i8] = q, d: &mut [f32] = d))
 }
 
 #[inline(always)]

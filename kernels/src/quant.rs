@@ -901,7 +901,7 @@ impl F32Matrix {
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
         assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
-        let row = |r: usize, dst: &mut [f32]| dispatch!(row_dots::<A>(self, r, x, dst));
+        let row = |r: usize, dst: &mut [f32]| dispatch!(row_dots::<A>(m: &F32Matrix = self, r: usize = r, x: &[f32] = x, dst: &mut [f32] = dst));
         let mut tr = vec![0f32; self.rows * n];
         // Below about a million multiply-adds the thread pool costs more than it saves.
         if self.rows * self.cols * n < 1 << 20 {
