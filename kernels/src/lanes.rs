@@ -28,11 +28,22 @@ pub(crate) trait Arith {
         ts: std::ops::Range<usize>,
         weights: &[f32],
     ) {
-        for t in ts {
-            let row = &cache[at(t)..][..D];
-            for (a, x) in acc[t % 2].iter_mut().zip(row) {
-                *a = Self::madd(weights[t], *x, *a);
-            }
+        accumulate_lanes::<Self, D>(acc, cache, at, ts, weights)
+    }
+}
+
+#[inline(always)]
+fn accumulate_lanes<A: Arith + ?Sized, const D: usize>(
+    acc: &mut [[f32; D]; 2],
+    cache: &[f32],
+    at: impl Fn(usize) -> usize,
+    ts: std::ops::Range<usize>,
+    weights: &[f32],
+) {
+    for t in ts {
+        let row = &cache[at(t)..][..D];
+        for (a, x) in acc[t % 2].iter_mut().zip(row) {
+            *a = A::madd(weights[t], *x, *a);
         }
     }
 }
@@ -76,12 +87,7 @@ impl Arith for Fused {
             // SAFETY: as above.
             unsafe { fused::accumulate(acc, cache, at, ts, weights) }
         } else {
-            for t in ts {
-                let row = &cache[at(t)..][..D];
-                for (a, x) in acc[t % 2].iter_mut().zip(row) {
-                    *a = Self::madd(weights[t], *x, *a);
-                }
-            }
+            accumulate_lanes::<Self, D>(acc, cache, at, ts, weights)
         }
     }
 }
