@@ -180,9 +180,12 @@ mod fused {
 pub(crate) fn avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::env::var_os("SPECINFER_NO_SIMD").is_none()
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            std::env::var_os("SPECINFER_NO_SIMD").is_none()
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -425,7 +425,7 @@ impl QuantMatrix {
 /// activations are quantized once and all the matrices' rows share one parallel section, as the
 /// query/key/value and the gate/up projections of a layer do.
 pub fn matmul_many(mats: &[&QuantMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
-    matmul_many_on(Path::detect(), mats, x, n, outs)
+    matmul_many_on(Path::detect(n), mats, x, n, outs)
 }
 
 fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
@@ -501,9 +501,19 @@ impl Path {
         v
     }
 
-    fn detect() -> Path {
-        static BEST: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
-        *BEST.get_or_init(|| Path::available()[0])
+    /// The path for `n` activation rows. All paths give the same bits, so the choice may depend
+    /// on the batch: with one or two rows the 256-bit VNNI path measured about 5 % faster than
+    /// the 512-bit one on this project's machine (AMD EPYC with both), with more rows the 512-bit
+    /// one is faster.
+    fn detect(n: usize) -> Path {
+        static PATHS: std::sync::OnceLock<Vec<Path>> = std::sync::OnceLock::new();
+        let paths = PATHS.get_or_init(Path::available);
+        #[cfg(target_arch = "x86_64")]
+        if n <= 2 && paths.contains(&Path::Vnni) {
+            return Path::Vnni;
+        }
+        let _ = n;
+        paths[0]
     }
 }
 
