@@ -17,15 +17,15 @@
 //! Only the exact integer part differs between code paths, so:
 //! * a row's result never depends on the other rows, the batch size or its position in the batch
 //!   (batch invariance: speculative output is bit-identical to incremental);
-//! * the VNNI, AVX2 and portable paths give bit-identical results.
+//! * the AVX-512 VNNI, AVX-VNNI, AVX2 and portable paths give bit-identical results.
 //!
 //! Layout: rows are interleaved in groups of 16, so one 512-bit register (or two 256-bit ones)
 //! holds 4 consecutive weights of each of 16 rows and an integer dot instruction against 4
 //! broadcast activation bytes yields 16 row sums at once: no horizontal sums, one float step per
-//! (block, 16 rows), and the
-//! weights of a row group (a few KB, L1-resident) are read once per tile of activation rows, so
-//! small batches stay memory-bound like a single row. 4-bit formats stay 4-bit in memory; the
-//! 5-, 6- and 8-bit formats are stored one byte per weight.
+//! (block, 16 rows). The weights of a row group (a few KB, L1-resident) are streamed from memory
+//! once per call and reused from L1 by later tiles of activation rows, so small batches stay
+//! memory-bound like a single row. 4-bit formats stay 4-bit in memory; the 5-, 6- and 8-bit
+//! formats are stored one byte per weight (simpler unpacking, at up to 1.45x their GGML size).
 
 use rayon::prelude::*;
 
