@@ -36,7 +36,7 @@ enum Command {
 #[derive(clap::Args, Clone)]
 struct ModelArgs {
     /// Optimiser steps (batches of `batch` sequences).
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 2500)]
     steps: usize,
     #[arg(long, default_value_t = 16)]
     batch: usize,
@@ -46,7 +46,7 @@ struct ModelArgs {
     lr: f64,
     #[arg(long, default_value_t = 128)]
     d_model: usize,
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 5)]
     layers: usize,
     #[arg(long, default_value_t = 4)]
     heads: usize,
@@ -107,7 +107,7 @@ struct RunArgs {
     #[arg(long)]
     llm: Option<PathBuf>,
     /// Training prompts answered by the teacher.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 8000)]
     prompts: usize,
     /// Held-out prompts for evaluation.
     #[arg(long, default_value_t = 60)]
