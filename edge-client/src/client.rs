@@ -119,7 +119,7 @@ impl Client {
         // A tree drafted ahead, and the committed tokens it assumed.
         let mut ahead: Option<(Vec<u32>, TokenTree)> = None;
         loop {
-            let drafted = Instant::now();
+            let mut drafted = Instant::now();
             let tree = match (ahead.take(), &mut drafting) {
                 (Some((guess, tree)), _) if guess == committed => {
                     g.pipelined_rounds += 1;
@@ -127,6 +127,10 @@ impl Client {
                 }
                 (_, Drafting::None) => TokenTree::root(*committed.last().expect("never empty")),
                 (_, Drafting::Tree { speculator, drafts }) if drafts.len() == 1 => {
+                    // Catching the draft up on the committed tokens (the whole prompt, in the
+                    // first round) is not part of the per-level cost the adaptive depth weighs.
+                    drafts[0].sync(&committed)?;
+                    drafted = Instant::now();
                     speculator.draft(&mut *drafts[0], &committed)?
                 }
                 (_, Drafting::Tree { speculator, drafts }) => {

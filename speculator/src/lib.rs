@@ -7,5 +7,5 @@ pub mod speculator;
 
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use speculator::{
-    merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape,
+    merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape, PLAIN_EXPLORE,
 };

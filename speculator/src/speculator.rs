@@ -392,17 +392,29 @@ pub struct RoundObservation {
 /// * acceptance: the chance a drafted token at depth d is accepted given depth d-1 was, counted
 ///   per depth (with a prior of 1 success in 2, and a depth never tried assumed as good as the
 ///   one above it, so the controller keeps exploring);
-/// * cost: drafting time per level, verification time per tree node, and the fixed part of a
-///   round (round trip, queueing) as moving averages.
+/// * cost: drafting time per level and the fixed part of a round (round trip, queueing) as
+///   moving averages; verification time as an affine function of the tree's node count, fitted
+///   by decayed least squares (a forward over N nodes costs far less than N forwards, so a
+///   per-node cost would flatter shallow trees).
+///
+/// Depth 0 (the root alone: plain decoding) is a candidate too, so a draft that loses to plain
+/// decoding is switched off; after [`PLAIN_EXPLORE`] - 1 rounds at depth 0 one round speculates
+/// again to keep the acceptance statistics current.
 pub struct DepthController {
     max_depth: usize,
     reached: Vec<f64>,
     accepted: Vec<f64>,
     draft_per_level: f64,
-    verify_per_node: f64,
+    /// Decayed sums for the fit of forward seconds against tree nodes: weight, x, y, xx, xy.
+    fit: [f64; 5],
     fixed: f64,
     rounds: usize,
+    /// Rounds at depth 0 since the last one that speculated.
+    plain_streak: usize,
 }
+
+/// At depth 0, one round in this many speculates (see [`DepthController`]).
+pub const PLAIN_EXPLORE: usize = 16;
 
 impl DepthController {
     pub fn new(max_depth: usize) -> Self {
@@ -411,9 +423,29 @@ impl DepthController {
             reached: vec![0.0; max_depth + 1],
             accepted: vec![0.0; max_depth + 1],
             draft_per_level: 0.0,
-            verify_per_node: 0.0,
+            fit: [0.0; 5],
             fixed: 0.0,
             rounds: 0,
+            plain_streak: 0,
+        }
+    }
+
+    /// Expected forward seconds for a tree of `nodes` nodes: the affine fit, or (while every
+    /// observed tree had one size) proportional to the node count.
+    fn verify_seconds(&self, nodes: usize) -> f64 {
+        let [w, sx, sy, sxx, sxy] = self.fit;
+        if w <= 0.0 {
+            return 0.0;
+        }
+        let (mx, my) = (sx / w, sy / w);
+        let var = sxx / w - mx * mx;
+        let n = nodes as f64;
+        if var > 1e-6 * mx * mx.max(1.0) {
+            let slope = ((sxy / w - mx * my) / var).max(0.0);
+            let intercept = (my - slope * mx).max(0.0);
+            intercept + slope * n
+        } else {
+            my / mx.max(1.0) * n
         }
     }
 
@@ -433,11 +465,15 @@ impl DepthController {
                 self.rounds,
             );
         }
-        self.verify_per_node = ema(
-            self.verify_per_node,
-            o.forward_s / o.tree_nodes.max(1) as f64,
-            self.rounds,
-        );
+        let (x, y) = (o.tree_nodes.max(1) as f64, o.forward_s);
+        for (sum, v) in self.fit.iter_mut().zip([1.0, x, y, x * x, x * y]) {
+            *sum = 0.95 * *sum + v;
+        }
+        self.plain_streak = if o.tree_depth == 0 {
+            self.plain_streak + 1
+        } else {
+            0
+        };
         self.fixed = ema(self.fixed, (o.round_s - o.forward_s).max(0.0), self.rounds);
         self.rounds += 1;
     }
@@ -480,21 +516,25 @@ impl DepthController {
         if self.max_depth == 0 || self.rounds == 0 {
             return self.max_depth;
         }
+        let plain_rate = 1.0 / (self.fixed + self.verify_seconds(1)).max(1e-9);
         let (mut best, mut best_rate) = (1, 0.0);
         let (mut expected, mut chain) = (1.0, 1.0);
         for m in 1..=self.max_depth {
             chain *= self.acceptance(m);
             expected += chain;
             // Nodes grow at least linearly with depth; a chain is the cheapest tree of depth m.
-            let seconds = self.fixed
-                + self.draft_per_level * m as f64
-                + self.verify_per_node * (m + 1) as f64;
+            let seconds = self.fixed + self.draft_per_level * m as f64 + self.verify_seconds(m + 1);
             let rate = expected / seconds.max(1e-9);
             if rate > best_rate {
                 best = m;
                 best_rate = rate;
             }
         }
-        best
+        let explore = self.plain_streak + 1 >= PLAIN_EXPLORE;
+        if plain_rate > best_rate && !explore {
+            0
+        } else {
+            best
+        }
     }
 }

@@ -137,6 +137,24 @@ fn dynamic_trees_spend_their_budget_on_the_likeliest_paths() {
     assert!("1,x".parse::<TreeShape>().is_err());
 }
 
+/// A round at `depth` with a draft right up to depth `good`, under a linear cost model.
+fn round(
+    depth: usize,
+    good: usize,
+    fixed: f64,
+    per_node: f64,
+    per_level: f64,
+) -> specinfer_speculator::RoundObservation {
+    specinfer_speculator::RoundObservation {
+        tree_depth: depth,
+        tree_nodes: depth + 1,
+        accepted: good.min(depth),
+        draft_s: per_level * depth as f64,
+        round_s: fixed + per_node * (depth + 1) as f64,
+        forward_s: per_node * (depth + 1) as f64,
+    }
+}
+
 /// Rounds where the draft is right up to depth `good` and wrong after it.
 fn feed(
     c: &mut specinfer_speculator::DepthController,
@@ -147,15 +165,7 @@ fn feed(
 ) {
     for _ in 0..200 {
         let depth = c.best_depth();
-        let accepted = good.min(depth);
-        c.observe(specinfer_speculator::RoundObservation {
-            tree_depth: depth,
-            tree_nodes: depth + 1,
-            accepted,
-            draft_s: per_level * depth as f64,
-            round_s: fixed + per_node * (depth + 1) as f64,
-            forward_s: per_node * (depth + 1) as f64,
-        });
+        c.observe(round(depth, good, fixed, per_node, per_level));
     }
 }
 
@@ -174,10 +184,40 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
     let mut c = DepthController::new(8);
     feed(&mut c, 8, 0.05, 0.001, 0.001);
     assert_eq!(c.best_depth(), 8);
-    // Never right and verification dear: the shortest tree.
+    // Never right: plain decoding (the root alone), with one exploring round in
+    // PLAIN_EXPLORE.
     let mut c = DepthController::new(8);
     feed(&mut c, 0, 0.0, 0.05, 0.01);
-    assert_eq!(c.best_depth(), 1);
+    let depths: Vec<usize> = (0..specinfer_speculator::PLAIN_EXPLORE)
+        .map(|_| {
+            let d = c.best_depth();
+            c.observe(round(d, 0, 0.0, 0.05, 0.01));
+            d
+        })
+        .collect();
+    assert_eq!(
+        depths.iter().filter(|&&d| d == 0).count(),
+        depths.len() - 1,
+        "{depths:?}"
+    );
+    assert_eq!(*depths.iter().max().unwrap(), 1, "{depths:?}");
+    // Verification nearly free per extra node (a forward over a tree costs about one token's)
+    // and a draft right half the time: speculating pays although each tree costs more than a
+    // plain step.
+    let mut c = DepthController::new(8);
+    for i in 0..400 {
+        let depth = c.best_depth();
+        let accepted = if i % 2 == 0 { depth.min(2) } else { 0 };
+        c.observe(specinfer_speculator::RoundObservation {
+            tree_depth: depth,
+            tree_nodes: depth + 1,
+            accepted,
+            draft_s: 0.0005 * depth as f64,
+            round_s: 0.004 + 0.0003 * depth as f64,
+            forward_s: 0.004 + 0.0003 * depth as f64,
+        });
+    }
+    assert!(c.best_depth() >= 1, "depth {}", c.best_depth());
     assert_eq!(
         "adaptive:1,1,3".parse::<TreeShape>().unwrap(),
         TreeShape::Adaptive(vec![1, 1, 3])
