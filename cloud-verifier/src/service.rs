@@ -263,17 +263,17 @@ impl Ctx {
         }))
     }
 
-    /// Checks the client's hello; the error to send back when it is refused.
-    fn check_hello(&self, msg: Message) -> Result<(), Message> {
+    /// The error to send back when the client's hello is refused.
+    fn refusal(&self, msg: Message) -> Option<Message> {
         let Message::ClientHello(h) = msg else {
-            return Err(error(
+            return Some(error(
                 ErrorCode::BadFrame,
                 None,
                 "the first frame must be ClientHello",
             ));
         };
         if h.protocol_version != PROTOCOL_VERSION {
-            return Err(error(
+            return Some(error(
                 ErrorCode::UnsupportedVersion,
                 None,
                 format!(
@@ -284,7 +284,7 @@ impl Ctx {
         }
         if let Some(keys) = &self.cfg.api_keys {
             if !h.api_key.as_ref().is_some_and(|k| keys.contains(k)) {
-                return Err(error(
+                return Some(error(
                     ErrorCode::Unauthorized,
                     None,
                     "missing or unknown API key",
@@ -292,7 +292,7 @@ impl Ctx {
             }
         }
         if h.expected_model != self.cfg.fingerprint {
-            return Err(error(
+            return Some(error(
                 ErrorCode::ModelMismatch,
                 None,
                 format!(
@@ -301,7 +301,7 @@ impl Ctx {
                 ),
             ));
         }
-        Ok(())
+        None
     }
 }
 
@@ -313,7 +313,7 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         .await
         .map_err(|_| NetError::Timeout)?;
     let refusal = match hello {
-        Ok(Some(msg)) => ctx.check_hello(msg).err(),
+        Ok(Some(msg)) => ctx.refusal(msg),
         Ok(None) => Some(error(
             ErrorCode::BadFrame,
             None,

@@ -30,18 +30,18 @@ fn speculative_greedy_equals_incremental_greedy_on_smollm2() {
         // No stop tokens: always 64 tokens, so every prompt compares the full length.
         let params = SamplingParams::greedy(64);
 
-        let mut inc = Session::open(&llm, &ids, params.clone(), &limits).unwrap();
+        let mut inc = Session::open(llm, &ids, params.clone(), &limits).unwrap();
         while inc.finish().is_none() {
-            inc.verify(&llm, &limits, &TokenTree::root(inc.root()))
+            inc.verify(llm, &limits, &TokenTree::root(inc.root()))
                 .unwrap();
         }
 
-        let mut spec = Session::open(&llm, &ids, params, &limits).unwrap();
+        let mut spec = Session::open(llm, &ids, params, &limits).unwrap();
         let mut speculator = Speculator::new(vec![2, 2, 1, 1], DraftMode::Greedy, i as u64);
         let mut draft = NoisyDraft::new(llm, i as u64, 2.5);
         while spec.finish().is_none() {
             let tree = speculator.draft(&mut draft, spec.tokens()).unwrap();
-            let out = spec.verify(&llm, &limits, &tree).unwrap();
+            let out = spec.verify(llm, &limits, &tree).unwrap();
             let children = tree.children();
             accepted_later_sibling += out
                 .accepted_nodes

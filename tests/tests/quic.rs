@@ -141,7 +141,7 @@ async fn sixteen_concurrent_sessions_each_equal_their_solo_run() {
         "Name a gem.",
     ];
     let params = |i: usize| {
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             SamplingParams::greedy(12)
         } else {
             SamplingParams {

@@ -45,13 +45,17 @@ fn chain_logits(m: &Llama, seq: &[u32]) -> Result<specinfer_model::Logits> {
     Ok(m.forward(&mut [SeqTree::new(&mut kv, &tree)])?.remove(0))
 }
 
+/// At one position, the tokens an ensemble proposes for k = 1..=5 (the union of its members'
+/// top-k).
+type ProposalsByK = [Vec<u32>; 5];
+
 /// The example's prompt + answer (cut to every model's context) and, for each position, the
 /// tokens the ensemble proposes at k = 1..=5 (the union of the members' top-k).
 fn ensemble_proposals(
     ssms: &[&Llama],
     e: &Example,
     max_positions: usize,
-) -> Result<(Vec<u32>, Vec<[Vec<u32>; 5]>)> {
+) -> Result<(Vec<u32>, Vec<ProposalsByK>)> {
     let mut seq = e.prompt.clone();
     seq.extend(&e.answer);
     let limit = ssms

@@ -215,7 +215,7 @@ fn request_params(setup: &Setup, body: &Value) -> Result<(SamplingParams, DraftM
         None => None,
     };
     match temperature {
-        Some(t) if t == 0.0 => {
+        Some(0.0) => {
             params.mode = VerifyMode::Greedy;
             params.temperature = 0.0;
             mode = DraftMode::Greedy;
