@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::lanes::{self, dispatch, Arith};
+use crate::lanes::{self, dispatch, Arith, SyncPtr};
 
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -193,10 +193,6 @@ struct Weights<'a> {
     inv_sums: &'a [f32],
     out: &'a SyncPtr,
 }
-
-struct SyncPtr(*mut f32);
-// SAFETY: the tasks of a call write disjoint elements behind the pointer (see each use).
-unsafe impl Sync for SyncPtr {}
 
 /// Heads of a GQA group handled together, so one K or V row feeds several independent chains.
 const HEADS: usize = 4;

@@ -10,8 +10,9 @@
 pub(crate) trait Arith {
     fn madd(a: f32, b: f32, c: f32) -> f32;
 
-    /// [`dot`] of each of `Q` vectors with `b`, interleaved so the `Q` chains overlap; each
-    /// result is bit-identical to `dot::<Self>(a[j], b)`.
+    /// Dot products of each of `Q` vectors with `b`: eight lane accumulators in order, then
+    /// [`hsum8`], then the tail; the `Q` chains are interleaved so they overlap, and each result
+    /// is the bits `dots::<1>([a[j]], b)` gives.
     #[inline(always)]
     fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
         dots_lanes::<Self, Q>(a, b)
@@ -218,30 +219,18 @@ macro_rules! dispatch {
 }
 pub(crate) use dispatch;
 
+/// A pointer that parallel tasks share to write disjoint elements of one buffer (each use says
+/// why its elements are disjoint).
+pub(crate) struct SyncPtr(pub(crate) *mut f32);
+// SAFETY: only used by tasks writing disjoint elements, see above.
+unsafe impl Sync for SyncPtr {}
+
 /// The lane sum every loop uses: halves, then pairs, then the last two.
 #[inline(always)]
 pub(crate) fn hsum8(v: [f32; 8]) -> f32 {
     let t = [v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]];
     let u = [t[0] + t[2], t[1] + t[3]];
     u[0] + u[1]
-}
-
-/// Dot product in eight lane accumulators, then [`hsum8`], then the tail.
-#[inline(always)]
-pub(crate) fn dot<A: Arith>(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            s[l] = A::madd(x[l], y[l], s[l]);
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ta.iter().zip(tb) {
-        tail = A::madd(*x, *y, tail);
-    }
-    hsum8(s) + tail
 }
 
 #[inline(always)]

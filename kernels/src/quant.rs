@@ -29,7 +29,7 @@
 
 use rayon::prelude::*;
 
-use crate::lanes::{self, dispatch, Arith};
+use crate::lanes::{self, dispatch, Arith, SyncPtr};
 
 /// GGML formats this kernel handles (GGML's names).
 #[allow(non_camel_case_types)]
@@ -341,7 +341,7 @@ impl QuantMatrix {
     const CHUNK: usize = 4;
 
     /// Task `c` of a product: row groups `c * CHUNK..`, written into their columns of `out`.
-    fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &OutPtr) {
+    fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &SyncPtr) {
         let groups = self.rows.div_ceil(ROWS);
         let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
         // `[group][activation row]`.
@@ -383,7 +383,7 @@ impl QuantMatrix {
             #[cfg(target_arch = "x86_64")]
             Path::Avx2 => unsafe { avx2::group_dots(self, g0, count, a, dst) },
             Path::Portable => {
-                for (j, dst) in dst.chunks_mut(a.d.len() / self.blocks).enumerate() {
+                for (j, dst) in dst.chunks_mut(dst.len() / count).enumerate() {
                     self.group_dots_portable(g0 + j, a, dst)
                 }
             }
@@ -440,7 +440,7 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
     }
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
     let acts = QuantizedActs::new(x, n, first);
-    let outs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let outs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
     let tasks: Vec<(usize, usize)> = mats
         .iter()
         .enumerate()
@@ -452,10 +452,6 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         .into_par_iter()
         .for_each(|(k, c)| mats[k].chunk(c, &acts, path, n, &outs[k]));
 }
-
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint parts of the buffer behind the pointer (see `matmul`).
-unsafe impl Sync for OutPtr {}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
@@ -480,10 +476,7 @@ impl Path {
         #[cfg(target_arch = "x86_64")]
         {
             let off = |var: &str| std::env::var_os(var).is_some();
-            if !off("SPECINFER_NO_SIMD")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-            {
+            if lanes::avx2_fma() {
                 if !off("SPECINFER_NO_AVX512")
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
@@ -911,22 +904,25 @@ impl F32Matrix {
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n * self.cols, "x is not [n, cols]");
         assert_eq!(out.len(), n * self.rows, "out is not [n, rows]");
-        let row = |r: usize, dst: &mut [f32]| dispatch!(row_dots::<A>(m: &F32Matrix = self, r: usize = r, x: &[f32] = x, dst: &mut [f32] = dst));
+        // `[row][activation row]`, one dispatch per run of rows.
+        let rows = |r0: usize, dst: &mut [f32]| {
+            dispatch!(rows_dots::<A>(
+                m: &F32Matrix = self,
+                r0: usize = r0,
+                x: &[f32] = x,
+                n: usize = n,
+                dst: &mut [f32] = dst,
+            ))
+        };
         let mut tr = vec![0f32; self.rows * n];
         // Below about a million multiply-adds the thread pool costs more than it saves.
         if self.rows * self.cols * n < 1 << 20 {
-            tr.chunks_mut(n)
-                .enumerate()
-                .for_each(|(r, dst)| row(r, dst));
+            rows(0, &mut tr);
         } else {
             const CHUNK: usize = 32;
             tr.par_chunks_mut(CHUNK * n)
                 .enumerate()
-                .for_each(|(c, chunk)| {
-                    for (k, dst) in chunk.chunks_mut(n).enumerate() {
-                        row(c * CHUNK + k, dst);
-                    }
-                });
+                .for_each(|(c, chunk)| rows(c * CHUNK, chunk));
         }
         for (r, col) in tr.chunks(n).enumerate() {
             for (i, &v) in col.iter().enumerate() {
@@ -936,12 +932,14 @@ impl F32Matrix {
     }
 }
 
-/// Dots of weight row `r` with every activation row.
+/// Dots of weight rows `r0..` with every activation row, into `dst` (`[row][activation row]`).
 #[inline(always)]
-fn row_dots<A: Arith>(m: &F32Matrix, r: usize, x: &[f32], dst: &mut [f32]) {
-    let w = &m.w[r * m.cols..(r + 1) * m.cols];
-    for (i, d) in dst.iter_mut().enumerate() {
-        *d = lanes::dot::<A>(w, &x[i * m.cols..(i + 1) * m.cols]);
+fn rows_dots<A: Arith>(m: &F32Matrix, r0: usize, x: &[f32], n: usize, dst: &mut [f32]) {
+    for (k, dst) in dst.chunks_mut(n).enumerate() {
+        let w = &m.w[(r0 + k) * m.cols..(r0 + k + 1) * m.cols];
+        for (i, d) in dst.iter_mut().enumerate() {
+            *d = A::dots::<1>([w], &x[i * m.cols..(i + 1) * m.cols])[0];
+        }
     }
 }
 
