@@ -194,41 +194,22 @@ struct Weights<'a> {
     out: &'a SyncPtr,
 }
 
-/// Heads of a GQA group handled together, so one K or V row feeds several independent chains.
-const HEADS: usize = 4;
+/// Positions scored per pass over a query's vector: eight independent chains in flight.
+const SCORE_BLOCK: usize = 8;
 
-/// Calls `$f::<Q>(heads...)` for the query heads of kv head `$kh` in runs of up to [`HEADS`].
-macro_rules! by_heads {
-    ($a:expr, $kh:expr, |$h0:ident, $q:ident| $call:expr) => {{
-        let (first, end) = ($kh * $a.group, ($kh + 1) * $a.group);
-        let mut $h0 = first;
-        while $h0 < end {
-            $h0 += match (end - $h0).min(HEADS) {
-                1 => {
-                    const $q: usize = 1;
-                    $call;
-                    1
-                }
-                2 => {
-                    const $q: usize = 2;
-                    $call;
-                    2
-                }
-                3 => {
-                    const $q: usize = 3;
-                    $call;
-                    3
-                }
-                _ => {
-                    const $q: usize = 4;
-                    $call;
-                    4
-                }
-            };
-        }
-    }};
+/// How far ahead (in positions) a task's first query asks for the K rows it will read.
+const PREFETCH_AHEAD: usize = 16;
+
+/// Asks for the cache lines of `len` floats at `p`.
+#[inline(always)]
+fn prefetch_lines<A: Arith>(p: *const f32, len: usize) {
+    for line in (0..len).step_by(16) {
+        A::prefetch(p.wrapping_add(line));
+    }
 }
 
+/// Prefix scores of every node and query head of kv head `kh` at `positions`. The first query
+/// streams the K rows from memory (asked for ahead); the others find them in L1.
 #[inline(always)]
 fn prefix_scores<A: Arith>(
     a: &Attention,
@@ -236,36 +217,49 @@ fn prefix_scores<A: Arith>(
     positions: std::ops::Range<usize>,
     scores: &SyncPtr,
 ) {
-    for i in 0..a.n {
-        by_heads!(a, kh, |h0, Q| prefix_scores_heads::<A, Q>(
-            a,
-            kh,
-            i,
-            h0,
-            positions.clone(),
-            scores
-        ));
-    }
-}
-
-#[inline(always)]
-fn prefix_scores_heads<A: Arith, const Q: usize>(
-    a: &Attention,
-    kh: usize,
-    i: usize,
-    h0: usize,
-    positions: std::ops::Range<usize>,
-    scores: &SyncPtr,
-) {
     let hd = a.shape.head_dim;
-    let qs: [&[f32]; Q] = std::array::from_fn(|j| a.query(i, h0 + j));
-    let starts: [usize; Q] = std::array::from_fn(|j| a.offsets[i * a.shape.n_heads + h0 + j]);
-    for pos in positions {
-        let s = A::dots::<Q>(qs, a.at(a.k, pos, kh, 0, hd));
-        for j in 0..Q {
-            // SAFETY: prefix entry `pos` of row (i, h0 + j) is inside the buffer, and only the
-            // task of (kv head kh, these positions) writes it.
-            unsafe { *scores.0.add(starts[j] + pos) = s[j] * a.scale };
+    let k_row = |pos: usize| a.at(a.k, pos, kh, 0, hd);
+    let k_ahead = |pos: usize| {
+        let at = (pos * a.shape.n_kv_heads + kh) * hd;
+        prefetch_lines::<A>(a.k.as_ptr().wrapping_add(at), hd)
+    };
+    for pos in positions.start..positions.start + PREFETCH_AHEAD {
+        k_ahead(pos);
+    }
+    let mut first = true;
+    for i in 0..a.n {
+        for h in kh * a.group..(kh + 1) * a.group {
+            let q = a.query(i, h);
+            let row = a.offsets[i * a.shape.n_heads + h];
+            let mut pos = positions.start;
+            while pos < positions.end {
+                let len = (positions.end - pos).min(SCORE_BLOCK);
+                if first {
+                    for p in pos + PREFETCH_AHEAD..pos + PREFETCH_AHEAD + len {
+                        k_ahead(p);
+                    }
+                }
+                // A block and single positions give the same bits (see `Arith::dots`).
+                let mut s = [0f32; SCORE_BLOCK];
+                if len == SCORE_BLOCK {
+                    let mut rows: [&[f32]; SCORE_BLOCK] = [&[]; SCORE_BLOCK];
+                    for (p, r) in rows.iter_mut().enumerate() {
+                        *r = k_row(pos + p);
+                    }
+                    s = A::dots(q, rows);
+                } else {
+                    for (p, s) in s.iter_mut().enumerate().take(len) {
+                        *s = A::dots(q, [k_row(pos + p)])[0];
+                    }
+                }
+                for (p, &s) in s.iter().enumerate().take(len) {
+                    // SAFETY: prefix entry `pos + p` of row (i, h) is inside the buffer, and only
+                    // the task of (kv head kh, these positions) writes it.
+                    unsafe { *scores.0.add(row + pos + p) = s * a.scale };
+                }
+                pos += len;
+            }
+            first = false;
         }
     }
 }
@@ -279,11 +273,11 @@ fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
     for (t, &pos) in a.tree_visible[i].iter().enumerate() {
         // The same code as the prefix's scores: a position scores the same bits whether it is
         // committed or an ancestor in the tree.
-        row[a.past + t] = A::dots::<1>([q], a.at(a.k, pos, kh, 0, hd))[0] * a.scale;
+        row[a.past + t] = A::dots(q, [a.at(a.k, pos, kh, 0, hd)])[0] * a.scale;
     }
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = lanes::max(row);
     // A node always sees itself: the sum is at least 1.
-    1.0 / lanes::exp_shifted_sum::<A>(row, max)
+    1.0 / A::exp_shifted_sum(row, max)
 }
 
 /// Weighted V sums for dimensions `d0..d0 + D` of kv head `kh`, for every node and head of the
@@ -301,6 +295,10 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
     let weights = |r: usize| &w.scores[a.offsets[r]..a.offsets[r + 1]];
     let prefix = |t: usize| (t * nkv + kh) * hd + d0;
     for start in (0..a.past).step_by(BLOCK) {
+        // The next block's V rows, asked for while every row uses this block.
+        for t in start + BLOCK..(start + 2 * BLOCK).min(a.past) {
+            prefetch_lines::<A>(a.v.as_ptr().wrapping_add(prefix(t)), D);
+        }
         let block = start..(start + BLOCK).min(a.past);
         for (acc, &r) in acc.iter_mut().zip(&rows) {
             A::accumulate(acc, a.v, prefix, block.clone(), weights(r));

@@ -10,13 +10,23 @@
 pub(crate) trait Arith {
     fn madd(a: f32, b: f32, c: f32) -> f32;
 
-    /// Dot products of each of `Q` vectors with `b`: eight lane accumulators in order, then
-    /// [`hsum8`], then the tail; the `Q` chains are interleaved so they overlap, and each result
-    /// is the bits `dots::<1>([a[j]], b)` gives.
+    /// Dot products of `a` with each of `R` vectors: eight lane accumulators in order, then
+    /// [`hsum8`], then the tail; the `R` chains are interleaved so they overlap, and each result
+    /// is the bits `dots::<1>(a, [b[j]])` gives.
     #[inline(always)]
-    fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
-        dots_lanes::<Self, Q>(a, b)
+    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+        dots_lanes::<Self, R>(a, b)
     }
+
+    /// Replaces each score `s` by `exp(s - max)` and returns their sum (8 lanes, then the tail).
+    #[inline(always)]
+    fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+        exp_shifted_sum_lanes::<Self>(s, max)
+    }
+
+    /// Asks for the cache line at `p` ahead of its use (never faults, whatever the address).
+    #[inline(always)]
+    fn prefetch(_p: *const f32) {}
 
     /// `acc[t % 2] += weights[t] * cache[at(t)..][..D]` for `t` in `ts`, in order: the sums of
     /// even and odd positions are two chains in flight; callers add them at the end. Splitting
@@ -71,9 +81,21 @@ impl Arith for Fused {
     }
 
     #[inline(always)]
-    fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
+    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
         // SAFETY: `Fused` only runs inside `avx2,fma` functions (see `dispatch`).
         unsafe { fused::dots(a, b) }
+    }
+
+    #[inline(always)]
+    fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { fused::exp_shifted_sum(s, max) }
+    }
+
+    #[inline(always)]
+    fn prefetch(p: *const f32) {
+        // SAFETY: a prefetch never faults.
+        unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) }
     }
 
     #[inline(always)]
@@ -100,20 +122,26 @@ mod fused {
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots<const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
-        let chunks = b.len() / 8;
-        let a = a.map(|x| &x[..b.len()]);
-        let mut s = [_mm256_setzero_ps(); Q];
+    pub unsafe fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+        let chunks = a.len() / 8;
+        // Plain loops, no closures: a closure here would not inherit the target features and
+        // could stay an out-of-line call in the hot loop.
+        let mut bp = [std::ptr::null::<f32>(); R];
+        for j in 0..R {
+            assert!(b[j].len() >= a.len(), "vectors differ in length");
+            bp[j] = b[j].as_ptr();
+        }
+        let mut s = [_mm256_setzero_ps(); R];
         for c in 0..chunks {
-            let y = _mm256_loadu_ps(b.as_ptr().add(8 * c));
-            for j in 0..Q {
-                s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a[j].as_ptr().add(8 * c)), y, s[j]);
+            let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
+            for j in 0..R {
+                s[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(bp[j].add(8 * c)), s[j]);
             }
         }
-        let mut out = [0f32; Q];
-        for j in 0..Q {
+        let mut out = [0f32; R];
+        for j in 0..R {
             let mut tail = 0f32;
-            for (x, y) in a[j][chunks * 8..].iter().zip(&b[chunks * 8..]) {
+            for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
                 tail = x.mul_add(*y, tail);
             }
             out[j] = hsum8(s[j]) + tail;
@@ -128,6 +156,54 @@ mod fused {
         let t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
         _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
+    }
+
+    /// [`super::exp_nonpositive`] on eight lanes, operation for operation (the compiler
+    /// vectorised the lane code only four wide).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_nonpositive(x: __m256) -> __m256 {
+        use super::{EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, ROUND};
+        let floor = _mm256_set1_ps(-87.0);
+        let far_below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor);
+        let x = _mm256_max_ps(x, floor);
+        let round = _mm256_set1_ps(ROUND);
+        let shifted = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round);
+        let n = _mm256_sub_ps(shifted, round);
+        let n_int = _mm256_sub_epi32(
+            _mm256_castps_si256(shifted),
+            _mm256_set1_epi32(ROUND.to_bits() as i32),
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_TAYLOR[0]);
+        for &c in &EXP_TAYLOR[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)));
+        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+        _mm256_andnot_ps(far_below, y)
+    }
+
+    /// [`super::exp_shifted_sum_lanes`] with [`exp_nonpositive`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+        let m = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let chunks = s.len() / 8;
+        for c in 0..chunks {
+            let p = s.as_mut_ptr().add(8 * c);
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p), m));
+            _mm256_storeu_ps(p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let mut tail = 0f32;
+        for x in &mut s[chunks * 8..] {
+            *x = super::exp_nonpositive::<super::Fused>(*x - max);
+            tail += *x;
+        }
+        hsum8(sum) + tail
     }
 
     /// `D` is a multiple of 8, at most 32: the accumulators stay in registers.
@@ -234,13 +310,13 @@ pub(crate) fn hsum8(v: [f32; 8]) -> f32 {
 }
 
 #[inline(always)]
-fn dots_lanes<A: Arith + ?Sized, const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [f32; Q] {
-    let (bc, bt) = b.as_chunks::<8>();
-    let ac = a.map(|x| &x[..b.len()].as_chunks::<8>().0[..bc.len()]);
-    let mut s = [[0f32; 8]; Q];
-    for (c, y) in bc.iter().enumerate() {
-        for j in 0..Q {
-            let x = &ac[j][c];
+fn dots_lanes<A: Arith + ?Sized, const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+    let (ac, at) = a.as_chunks::<8>();
+    let bc = b.map(|y| &y[..a.len()].as_chunks::<8>().0[..ac.len()]);
+    let mut s = [[0f32; 8]; R];
+    for (c, x) in ac.iter().enumerate() {
+        for j in 0..R {
+            let y = &bc[j][c];
             for l in 0..8 {
                 s[j][l] = A::madd(x[l], y[l], s[j][l]);
             }
@@ -248,33 +324,48 @@ fn dots_lanes<A: Arith + ?Sized, const Q: usize>(a: [&[f32]; Q], b: &[f32]) -> [
     }
     std::array::from_fn(|j| {
         let mut tail = 0f32;
-        for (x, y) in a[j][bc.len() * 8..b.len()].iter().zip(bt) {
+        for (x, y) in at.iter().zip(&b[j][ac.len() * 8..a.len()]) {
             tail = A::madd(*x, *y, tail);
         }
         hsum8(s[j]) + tail
     })
 }
 
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+// ln 2 split in a part exact in a few bits and the rest (Cody-Waite).
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// 1.5 * 2^23: adding it rounds a float below 2^22 in magnitude to an integer (ties to even).
+const ROUND: f32 = 12_582_912.0;
+/// Taylor coefficients 1/k! for k = 6..0 (|r| <= ln2 / 2: error below 2e-7 relative).
+const EXP_TAYLOR: [f32; 7] = [
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+
 /// `exp(x)` for `x <= 0` (softmax weights), to about 2 ulp, in code that vectorises: range
 /// reduction by powers of two and a degree-6 polynomial. Below -87 the result is 0.
 #[inline(always)]
-fn exp_nonpositive<A: Arith>(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 split in a part exact in a few bits and the rest (Cody-Waite).
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
+fn exp_nonpositive<A: Arith + ?Sized>(x: f32) -> f32 {
     let far_below = x < -87.0;
     let x = x.max(-87.0);
     // Round to nearest by adding and removing 1.5 * 2^23 (no libm call; vectorises).
-    const ROUND: f32 = 12_582_912.0;
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    // n is an integer in -126..=0, held in the low bits of `shifted` (read as an integer: a
+    // float-to-int conversion would not vectorise, it saturates).
+    let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
     let r = A::madd(n, -LN2_LO, A::madd(n, -LN2_HI, x));
-    // Taylor coefficients 1/k! for k = 6..0 (|r| <= ln2 / 2: error below 2e-7 relative).
-    let mut p = 1.0 / 720.0;
-    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let mut p = EXP_TAYLOR[0];
+    for &c in &EXP_TAYLOR[1..] {
         p = A::madd(p, r, c);
     }
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     let y = p * scale;
     if far_below {
         0.0
@@ -327,9 +418,23 @@ fn quantize_lanes<A: Arith>(x: &[f32], q: &mut [i8], d: &mut [f32]) {
     }
 }
 
-/// Replaces each score `s` by `exp(s - max)` and returns their sum (8 lanes, then the tail).
+/// The largest value (exact in any order: eight lanes, then the tail); -inf when empty.
 #[inline(always)]
-pub(crate) fn exp_shifted_sum<A: Arith>(s: &mut [f32], max: f32) -> f32 {
+pub(crate) fn max(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let (chunks, tail) = x.as_chunks::<8>();
+    for c in chunks {
+        for l in 0..8 {
+            lanes[l] = lanes[l].max(c[l]);
+        }
+    }
+    tail.iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+#[inline(always)]
+fn exp_shifted_sum_lanes<A: Arith + ?Sized>(s: &mut [f32], max: f32) -> f32 {
     let mut lanes = [0f32; 8];
     let mut chunks = s.chunks_exact_mut(8);
     for c in &mut chunks {
@@ -364,6 +469,26 @@ mod tests {
         assert_eq!(exp_nonpositive::<Plain>(0.0), 1.0);
         assert_eq!(exp_nonpositive::<Plain>(-100.0), 0.0);
         assert_eq!(exp_nonpositive::<Plain>(f32::NEG_INFINITY), 0.0);
+    }
+
+    /// The intrinsic softmax weights are the lane code's, bit for bit (tails included).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn fused_softmax_weights_are_the_lane_codes() {
+        if !avx2_fma() {
+            return;
+        }
+        let scores: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919) % 2003) as f32 * 0.05 - 90.0)
+            .collect();
+        let max = max(&scores);
+        let (mut a, mut b) = (scores.clone(), scores);
+        let sa = exp_shifted_sum_lanes::<Fused>(&mut a, max);
+        // SAFETY: AVX2 and FMA were detected.
+        let sb = unsafe { fused::exp_shifted_sum(&mut b, max) };
+        assert_eq!(sa.to_bits(), sb.to_bits());
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(a.contains(&0.0) && a.contains(&1.0));
     }
 
     #[test]

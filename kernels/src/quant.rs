@@ -661,11 +661,9 @@ macro_rules! x86_path {
             const PREFETCH_BLOCKS: usize = 8;
 
             #[inline(always)]
-            fn prefetch(p: *const u8) {
+            fn prefetch<const HINT: i32>(p: *const u8) {
                 // SAFETY: a prefetch never faults, whatever the address.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
-                }
+                unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p as *const i8) }
             }
 
             /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
@@ -761,10 +759,10 @@ macro_rules! x86_path {
                 // Up to MAX_T activation rows per pass keep every accumulator in a register.
                 while i < n {
                     i += match (n - i).min(MAX_T) {
-                        1 => tile::<1, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
-                        2 => tile::<2, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
-                        3 => tile::<3, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
-                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i),
+                        1 => tile::<1, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
+                        2 => tile::<2, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
+                        3 => tile::<3, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
+                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
                     };
                 }
             }
@@ -783,6 +781,7 @@ macro_rules! x86_path {
                 sets: [Set; S],
                 a: &QuantizedActs,
                 i0: usize,
+                n: usize,
             ) -> usize {
                 let pb = m.format.packed_bytes();
                 let e = 4 * GROUPS;
@@ -798,7 +797,22 @@ macro_rules! x86_path {
                         for set in &sets {
                             let ahead = set.w.wrapping_add((s + PREFETCH_BLOCKS) * pb);
                             for line in (0..pb).step_by(64) {
-                                prefetch(ahead.wrapping_add(line));
+                                prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                                    ahead.wrapping_add(line),
+                                );
+                            }
+                        }
+                    } else if i0 + T == n {
+                        // The last of several passes reads the weights from L1: meanwhile
+                        // stream the next sets' into L2, so that memory never waits for
+                        // the arithmetic (their first pass then starts from L2).
+                        let next = if LANES == ROWS { S } else { 1 } * m.blocks * pb;
+                        for set in &sets {
+                            let ahead = set.w.wrapping_add(next + s * pb);
+                            for line in (0..pb).step_by(64) {
+                                prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                                    ahead.wrapping_add(line),
+                                );
                             }
                         }
                     }
@@ -932,13 +946,21 @@ impl F32Matrix {
     }
 }
 
-/// Dots of weight rows `r0..` with every activation row, into `dst` (`[row][activation row]`).
+/// Dots of weight rows `r0..` with every activation row, into `dst` (`[row][activation row]`):
+/// four activation rows per pass over a weight row, then one at a time (the same bits).
 #[inline(always)]
 fn rows_dots<A: Arith>(m: &F32Matrix, r0: usize, x: &[f32], n: usize, dst: &mut [f32]) {
+    let act = |i: usize| &x[i * m.cols..(i + 1) * m.cols];
     for (k, dst) in dst.chunks_mut(n).enumerate() {
         let w = &m.w[(r0 + k) * m.cols..(r0 + k + 1) * m.cols];
-        for (i, d) in dst.iter_mut().enumerate() {
-            *d = A::dots::<1>([w], &x[i * m.cols..(i + 1) * m.cols])[0];
+        let mut i = 0;
+        while i + 4 <= n {
+            dst[i..i + 4]
+                .copy_from_slice(&A::dots(w, [act(i), act(i + 1), act(i + 2), act(i + 3)]));
+            i += 4;
+        }
+        for (i, d) in dst.iter_mut().enumerate().skip(i) {
+            *d = A::dots(w, [act(i)])[0];
         }
     }
 }
