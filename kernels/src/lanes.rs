@@ -139,13 +139,57 @@ mod fused {
             }
         }
         let mut out = [0f32; R];
-        for j in 0..R {
-            let mut tail = 0f32;
-            for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
-                tail = x.mul_add(*y, tail);
+        if R == 8 {
+            let mut v = [_mm256_setzero_ps(); 8];
+            v.copy_from_slice(&s[..8]);
+            out[..8].copy_from_slice(&hsum8x8(v));
+        } else {
+            for j in 0..R {
+                out[j] = hsum8(s[j]);
             }
-            out[j] = hsum8(s[j]) + tail;
         }
+        if chunks * 8 < a.len() {
+            for j in 0..R {
+                let mut tail = 0f32;
+                for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
+                    tail = x.mul_add(*y, tail);
+                }
+                out[j] += tail;
+            }
+        }
+        out
+    }
+
+    /// [`hsum8`] of eight vectors at once, in its order (halves, then pairs, then the last two),
+    /// transposing as it adds: a third of the operations of eight separate sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn hsum8x8(v: [__m256; 8]) -> [f32; 8] {
+        // Halves: [v_p.lo + v_p.hi, v_q.lo + v_q.hi] for the pairs (0, 1), (2, 3), ...
+        let halves = |p: __m256, q: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(p, q),
+                _mm256_permute2f128_ps::<0x31>(p, q),
+            )
+        };
+        let (h01, h23) = (halves(v[0], v[1]), halves(v[2], v[3]));
+        let (h45, h67) = (halves(v[4], v[5]), halves(v[6], v[7]));
+        // Pairs: t0 + t2 and t1 + t3 of each; lanes [0, 2 | 1, 3] and [4, 6 | 5, 7] by pairs.
+        let pairs = |p: __m256, q: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0b01_00_01_00>(p, q),
+                _mm256_shuffle_ps::<0b11_10_11_10>(p, q),
+            )
+        };
+        let (u0123, u4567) = (pairs(h01, h23), pairs(h45, h67));
+        // The last two: lanes [0, 2, 4, 6 | 1, 3, 5, 7].
+        let r = _mm256_add_ps(
+            _mm256_shuffle_ps::<0b10_00_10_00>(u0123, u4567),
+            _mm256_shuffle_ps::<0b11_01_11_01>(u0123, u4567),
+        );
+        let r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), r);
         out
     }
 
@@ -374,6 +418,28 @@ fn exp_nonpositive<A: Arith + ?Sized>(x: f32) -> f32 {
     }
 }
 
+/// RMSNorm of each row of `x` (`w.len()` wide), times `w`. The sum of squares is the dot
+/// routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends on
+/// the row alone.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    assert_eq!(x.len() % w.len().max(1), 0, "x is not [rows, w.len()]");
+    let mut y = vec![0f32; x.len()];
+    dispatch!(rms_norm_lanes::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = &mut y));
+    y
+}
+
+#[inline(always)]
+fn rms_norm_lanes<A: Arith>(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let d = w.len();
+    for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+        let squares = A::dots(xr, [xr])[0];
+        let scale = 1.0 / (squares / d as f32 + eps).sqrt();
+        for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
+            *y = x * scale * w;
+        }
+    }
+}
+
 /// `g = silu(g) * u` elementwise (the SwiGLU of a feed-forward block), with [`exp_nonpositive`]:
 /// `sigmoid(g)` is `1 / (1 + e)` for `g >= 0` and `e / (1 + e)` below, `e = exp(-|g|)`.
 pub fn swiglu(g: &mut [f32], u: &[f32]) {
@@ -469,6 +535,26 @@ mod tests {
         assert_eq!(exp_nonpositive::<Plain>(0.0), 1.0);
         assert_eq!(exp_nonpositive::<Plain>(-100.0), 0.0);
         assert_eq!(exp_nonpositive::<Plain>(f32::NEG_INFINITY), 0.0);
+    }
+
+    /// Eight sums at once are eight [`hsum8`]s, bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transposed_sums_are_the_lane_sums() {
+        if !avx2_fma() {
+            return;
+        }
+        let v: [[f32; 8]; 8] = std::array::from_fn(|p| {
+            std::array::from_fn(|l| {
+                ((p * 8 + l) as f32 * 1.37).sin() * 10f32.powi(l as i32 % 5 - 2)
+            })
+        });
+        // SAFETY: AVX2 and FMA were detected.
+        let got =
+            unsafe { fused::hsum8x8(v.map(|x| std::arch::x86_64::_mm256_loadu_ps(x.as_ptr()))) };
+        for p in 0..8 {
+            assert_eq!(got[p].to_bits(), hsum8(v[p]).to_bits(), "vector {p}");
+        }
     }
 
     /// The intrinsic softmax weights are the lane code's, bit for bit (tails included).

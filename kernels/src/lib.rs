@@ -12,5 +12,5 @@ pub mod quant;
 pub mod sampling;
 
 pub use attention::{tree_attention, AttentionShape};
-pub use lanes::swiglu;
+pub use lanes::{rms_norm, swiglu};
 pub use quant::{matmul_many, F32Matrix, QuantFormat, QuantMatrix};

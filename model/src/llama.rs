@@ -3,7 +3,8 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use specinfer_kernels::{
-    matmul_many, swiglu, tree_attention, AttentionShape, F32Matrix, QuantFormat, QuantMatrix,
+    matmul_many, rms_norm, swiglu, tree_attention, AttentionShape, F32Matrix, QuantFormat,
+    QuantMatrix,
 };
 use specinfer_wire::TokenTree;
 
@@ -370,20 +371,6 @@ impl Llama {
     }
 }
 
-fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let d = w.len();
-    let mut y = vec![0f32; x.len()];
-    for (xr, yr) in x.chunks(d).zip(y.chunks_mut(d)) {
-        let ms = xr.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / d as f64;
-        let scale = (1.0 / (ms + eps as f64).sqrt()) as f32;
-        yr.iter_mut()
-            .zip(xr)
-            .zip(w)
-            .for_each(|((y, &x), &w)| *y = x * scale * w);
-    }
-    y
-}
-
 /// cos/sin of `position * theta^(-2i/head_dim)` for every row, `[rows, head_dim / 2]`.
 fn rope_tables(cfg: &ModelConfig, positions: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let half = cfg.head_dim / 2;
@@ -412,15 +399,26 @@ fn apply_rope(style: RopeStyle, x: &mut [f32], hd: usize, cos: &[f32], sin: &[f3
             &cos[r * half..(r + 1) * half],
             &sin[r * half..(r + 1) * half],
         );
+        let rotate = |x0: &mut f32, x1: &mut f32, c: f32, s: f32| {
+            let (a, b) = (*x0, *x1);
+            *x0 = a * c - b * s;
+            *x1 = a * s + b * c;
+        };
         for head in row.chunks_mut(hd) {
-            for i in 0..half {
-                let (a, b) = match style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::Neox => (i, i + half),
-                };
-                let (x0, x1) = (head[a], head[b]);
-                head[a] = x0 * c[i] - x1 * s[i];
-                head[b] = x0 * s[i] + x1 * c[i];
+            // One loop per style, so that the halves' loop vectorises.
+            match style {
+                RopeStyle::Neox => {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for i in 0..half {
+                        rotate(&mut lo[i], &mut hi[i], c[i], s[i]);
+                    }
+                }
+                RopeStyle::Interleaved => {
+                    for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                        let (x0, x1) = pair.split_at_mut(1);
+                        rotate(&mut x0[0], &mut x1[0], c[i], s[i]);
+                    }
+                }
             }
         }
     }
