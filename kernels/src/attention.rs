@@ -293,6 +293,7 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
         .collect();
     let mut acc = vec![[[0f32; D]; 2]; rows.len()];
     let weights = |r: usize| &w.scores[a.offsets[r]..a.offsets[r + 1]];
+    let row_weights: Vec<&[f32]> = rows.iter().map(|&r| weights(r)).collect();
     let prefix = |t: usize| (t * nkv + kh) * hd + d0;
     for start in (0..a.past).step_by(BLOCK) {
         // The next block's V rows, asked for while every row uses this block.
@@ -300,14 +301,28 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
             prefetch_lines::<A>(a.v.as_ptr().wrapping_add(prefix(t)), D);
         }
         let block = start..(start + BLOCK).min(a.past);
-        for (acc, &r) in acc.iter_mut().zip(&rows) {
-            A::accumulate(acc, a.v, prefix, block.clone(), weights(r));
+        // Rows in runs, each V row loaded once per run.
+        let mut i = 0;
+        while i < rows.len() {
+            let (acc, ws) = (&mut acc[i..], &row_weights[i..]);
+            i += match rows.len() - i {
+                1 => accumulate_run::<A, D, 1>(acc, ws, a.v, prefix, block.clone()),
+                2 => accumulate_run::<A, D, 2>(acc, ws, a.v, prefix, block.clone()),
+                3 => accumulate_run::<A, D, 3>(acc, ws, a.v, prefix, block.clone()),
+                _ => accumulate_run::<A, D, 4>(acc, ws, a.v, prefix, block.clone()),
+            };
         }
     }
-    for (acc, &r) in acc.iter_mut().zip(&rows) {
+    for ((acc, &r), &ws) in acc.iter_mut().zip(&rows).zip(&row_weights) {
         let seen = &a.tree_visible[r / a.shape.n_heads];
         let tree = |t: usize| (seen[t - a.past] * nkv + kh) * hd + d0;
-        A::accumulate(acc, a.v, tree, a.past..a.past + seen.len(), weights(r));
+        A::accumulate(
+            std::array::from_mut(acc),
+            a.v,
+            tree,
+            a.past..a.past + seen.len(),
+            [ws],
+        );
         let o = r * hd + d0;
         for (d, (even, odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
             // SAFETY: dimensions d0..d0 + D of row r are inside `out`, and only the task of
@@ -315,6 +330,22 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
             unsafe { *w.out.0.add(o + d) = (even + odd) * w.inv_sums[r] };
         }
     }
+}
+
+/// [`Arith::accumulate`] for the first `R` rows of `acc` and `weights`; returns `R`.
+#[inline(always)]
+fn accumulate_run<A: Arith, const D: usize, const R: usize>(
+    acc: &mut [[[f32; D]; 2]],
+    weights: &[&[f32]],
+    v: &[f32],
+    at: impl Fn(usize) -> usize,
+    ts: std::ops::Range<usize>,
+) -> usize {
+    let acc: &mut [[[f32; D]; 2]; R] = (&mut acc[..R]).try_into().expect("R rows");
+    let mut w: [&[f32]; R] = [&[]; R];
+    w.copy_from_slice(&weights[..R]);
+    A::accumulate(acc, v, at, ts, w);
+    R
 }
 
 #[cfg(test)]

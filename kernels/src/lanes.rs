@@ -28,18 +28,21 @@ pub(crate) trait Arith {
     #[inline(always)]
     fn prefetch(_p: *const f32) {}
 
-    /// `acc[t % 2] += weights[t] * cache[at(t)..][..D]` for `t` in `ts`, in order: the sums of
-    /// even and odd positions are two chains in flight; callers add them at the end. Splitting
-    /// a range into consecutive calls gives the same bits as one call.
+    /// For each of `R` rows: `acc[t % 2] += weights[t] * cache[at(t)..][..D]` for `t` in `ts`,
+    /// in order: the sums of even and odd positions are two chains in flight; callers add them
+    /// at the end. A row's bits are those it gets alone (`R = 1`), and splitting a range into
+    /// consecutive calls gives the same bits as one call.
     #[inline(always)]
-    fn accumulate<const D: usize>(
-        acc: &mut [[f32; D]; 2],
+    fn accumulate<const D: usize, const R: usize>(
+        acc: &mut [[[f32; D]; 2]; R],
         cache: &[f32],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
-        weights: &[f32],
+        weights: [&[f32]; R],
     ) {
-        accumulate_lanes::<Self, D>(acc, cache, at, ts, weights)
+        for (acc, w) in acc.iter_mut().zip(weights) {
+            accumulate_lanes::<Self, D>(acc, cache, &at, ts.clone(), w)
+        }
     }
 }
 
@@ -99,18 +102,216 @@ impl Arith for Fused {
     }
 
     #[inline(always)]
-    fn accumulate<const D: usize>(
-        acc: &mut [[f32; D]; 2],
+    fn accumulate<const D: usize, const R: usize>(
+        acc: &mut [[[f32; D]; 2]; R],
         cache: &[f32],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
-        weights: &[f32],
+        weights: [&[f32]; R],
     ) {
-        if D.is_multiple_of(8) && D <= 32 {
+        // Sixteen registers hold one row's accumulators at most: rows one by one.
+        for (acc, w) in acc.iter_mut().zip(weights) {
+            if D.is_multiple_of(8) && D <= 32 {
+                // SAFETY: as above.
+                unsafe { fused::accumulate(acc, cache, &at, ts.clone(), w) }
+            } else {
+                accumulate_lanes::<Self, D>(acc, cache, &at, ts.clone(), w)
+            }
+        }
+    }
+}
+
+/// [`Fused`] with the intrinsic loops on 512-bit registers: twice the multiply-adds per
+/// instruction where the CPU executes them at full width. Only used inside functions compiled
+/// with `avx512f` (see `dispatch`). Its dot products sum in 16 lanes, so its bits differ from
+/// [`Fused`]'s; a process uses one of them throughout.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Wide;
+
+#[cfg(target_arch = "x86_64")]
+impl Arith for Wide {
+    #[inline(always)]
+    fn madd(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+
+    #[inline(always)]
+    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+        // SAFETY: `Wide` only runs inside `avx512f` functions (see `dispatch`).
+        unsafe { wide::dots(a, b) }
+    }
+
+    #[inline(always)]
+    fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { wide::exp_shifted_sum(s, max) }
+    }
+
+    #[inline(always)]
+    fn prefetch(p: *const f32) {
+        Fused::prefetch(p)
+    }
+
+    #[inline(always)]
+    fn accumulate<const D: usize, const R: usize>(
+        acc: &mut [[[f32; D]; 2]; R],
+        cache: &[f32],
+        at: impl Fn(usize) -> usize,
+        ts: std::ops::Range<usize>,
+        weights: [&[f32]; R],
+    ) {
+        // Every row's accumulators and one V row in the 32 registers.
+        if D.is_multiple_of(16) && D <= 64 && (2 * R + 1) * D / 16 <= 30 {
             // SAFETY: as above.
-            unsafe { fused::accumulate(acc, cache, at, ts, weights) }
+            unsafe { wide::accumulate(acc, cache, at, ts, weights) }
         } else {
-            accumulate_lanes::<Self, D>(acc, cache, at, ts, weights)
+            Fused::accumulate(acc, cache, at, ts, weights)
+        }
+    }
+}
+
+/// The wide loops: [`fused`]'s on 16 lanes. A 16-lane sum folds its halves first, then goes on
+/// as [`hsum8`].
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::fused;
+    use std::arch::x86_64::*;
+
+    /// `lo + hi` of a 16-lane vector.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn fold(v: __m512) -> __m256 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        _mm256_add_ps(_mm512_castps512_ps256(v), hi)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+        let chunks = a.len() / 16;
+        let mut bp = [std::ptr::null::<f32>(); R];
+        for j in 0..R {
+            assert!(b[j].len() >= a.len(), "vectors differ in length");
+            bp[j] = b[j].as_ptr();
+        }
+        let mut s = [_mm512_setzero_ps(); R];
+        for c in 0..chunks {
+            let x = _mm512_loadu_ps(a.as_ptr().add(16 * c));
+            for j in 0..R {
+                s[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(bp[j].add(16 * c)), s[j]);
+            }
+        }
+        let mut tails = [0f32; R];
+        for j in 0..R {
+            for (x, y) in a[chunks * 16..].iter().zip(&b[j][chunks * 16..]) {
+                tails[j] = x.mul_add(*y, tails[j]);
+            }
+        }
+        let mut folded = [_mm256_setzero_ps(); R];
+        for j in 0..R {
+            folded[j] = fold(s[j]);
+        }
+        fused::sums_plus_tails(folded, tails)
+    }
+
+    /// [`super::exp_nonpositive`] on 16 lanes, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn exp_nonpositive(x: __m512) -> __m512 {
+        use super::{EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, ROUND};
+        let floor = _mm512_set1_ps(-87.0);
+        let far_below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor);
+        let x = _mm512_max_ps(x, floor);
+        let round = _mm512_set1_ps(ROUND);
+        let shifted = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), round);
+        let n = _mm512_sub_ps(shifted, round);
+        let n_int = _mm512_sub_epi32(
+            _mm512_castps_si512(shifted),
+            _mm512_set1_epi32(ROUND.to_bits() as i32),
+        );
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_TAYLOR[0]);
+        for &c in &EXP_TAYLOR[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(n_int, _mm512_set1_epi32(127)));
+        let y = _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+        _mm512_maskz_mov_ps(!far_below, y)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let mut sum = _mm512_setzero_ps();
+        let chunks = s.len() / 16;
+        for c in 0..chunks {
+            let p = s.as_mut_ptr().add(16 * c);
+            let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p), m));
+            _mm512_storeu_ps(p, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        let mut tail = 0f32;
+        for x in &mut s[chunks * 16..] {
+            *x = super::exp_nonpositive::<super::Wide>(*x - max);
+            tail += *x;
+        }
+        fused::hsum8(fold(sum)) + tail
+    }
+
+    /// `D` is a multiple of 16, at most 64, and `R` rows' accumulators fit the registers: each
+    /// V row is loaded once for all the rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn accumulate<const D: usize, const R: usize>(
+        acc: &mut [[[f32; D]; 2]; R],
+        cache: &[f32],
+        at: impl Fn(usize) -> usize,
+        ts: std::ops::Range<usize>,
+        weights: [&[f32]; R],
+    ) {
+        let mut even = [[_mm512_setzero_ps(); 4]; R];
+        let mut odd = [[_mm512_setzero_ps(); 4]; R];
+        for r in 0..R {
+            assert!(weights[r].len() >= ts.end, "weights too short");
+            for c in 0..D / 16 {
+                even[r][c] = _mm512_loadu_ps(acc[r][0].as_ptr().add(16 * c));
+                odd[r][c] = _mm512_loadu_ps(acc[r][1].as_ptr().add(16 * c));
+            }
+        }
+        let step = |acc: &mut [[__m512; 4]; R], t: usize| {
+            let row = cache[at(t)..][..D].as_ptr();
+            let mut v = [_mm512_setzero_ps(); 4];
+            for (c, v) in v.iter_mut().enumerate().take(D / 16) {
+                *v = _mm512_loadu_ps(row.add(16 * c));
+            }
+            for r in 0..R {
+                // SAFETY: t < ts.end <= weights[r].len(), checked above.
+                let w = _mm512_set1_ps(*weights[r].get_unchecked(t));
+                for c in 0..D / 16 {
+                    acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+                }
+            }
+        };
+        let mut t = ts.start;
+        if t % 2 == 1 && t < ts.end {
+            step(&mut odd, t);
+            t += 1;
+        }
+        while t + 1 < ts.end {
+            step(&mut even, t);
+            step(&mut odd, t + 1);
+            t += 2;
+        }
+        if t < ts.end {
+            step(&mut even, t);
+        }
+        for r in 0..R {
+            for c in 0..D / 16 {
+                _mm512_storeu_ps(acc[r][0].as_mut_ptr().add(16 * c), even[r][c]);
+                _mm512_storeu_ps(acc[r][1].as_mut_ptr().add(16 * c), odd[r][c]);
+            }
         }
     }
 }
@@ -138,23 +339,32 @@ mod fused {
                 s[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(bp[j].add(8 * c)), s[j]);
             }
         }
+        let mut tails = [0f32; R];
+        for j in 0..R {
+            for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
+                tails[j] = x.mul_add(*y, tails[j]);
+            }
+        }
+        sums_plus_tails(s, tails)
+    }
+
+    /// `hsum8(s[j]) + tails[j]`; eight at once through [`hsum8x8`], written with one store
+    /// (a caller reading the array back whole then gets it forwarded, not stalled).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sums_plus_tails<const R: usize>(
+        s: [__m256; R],
+        tails: [f32; R],
+    ) -> [f32; R] {
         let mut out = [0f32; R];
         if R == 8 {
             let mut v = [_mm256_setzero_ps(); 8];
             v.copy_from_slice(&s[..8]);
-            out[..8].copy_from_slice(&hsum8x8(v));
+            let r = _mm256_add_ps(hsum8x8(v), _mm256_loadu_ps(tails.as_ptr()));
+            _mm256_storeu_ps(out.as_mut_ptr(), r);
         } else {
             for j in 0..R {
-                out[j] = hsum8(s[j]);
-            }
-        }
-        if chunks * 8 < a.len() {
-            for j in 0..R {
-                let mut tail = 0f32;
-                for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
-                    tail = x.mul_add(*y, tail);
-                }
-                out[j] += tail;
+                out[j] = hsum8(s[j]) + tails[j];
             }
         }
         out
@@ -164,7 +374,7 @@ mod fused {
     /// transposing as it adds: a third of the operations of eight separate sums.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn hsum8x8(v: [__m256; 8]) -> [f32; 8] {
+    pub(super) unsafe fn hsum8x8(v: [__m256; 8]) -> __m256 {
         // Halves: [v_p.lo + v_p.hi, v_q.lo + v_q.hi] for the pairs (0, 1), (2, 3), ...
         let halves = |p: __m256, q: __m256| {
             _mm256_add_ps(
@@ -187,16 +397,13 @@ mod fused {
             _mm256_shuffle_ps::<0b10_00_10_00>(u0123, u4567),
             _mm256_shuffle_ps::<0b11_01_11_01>(u0123, u4567),
         );
-        let r = _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        let mut out = [0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), r);
-        out
+        _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
     }
 
     /// [`super::hsum8`]'s additions in its order: halves, pairs, the last two.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum8(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum8(v: __m256) -> f32 {
         let t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let u = _mm_add_ps(t, _mm_movehl_ps(t, t));
         _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
@@ -312,19 +519,42 @@ pub(crate) fn avx2_fma() -> bool {
     false
 }
 
-/// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX2+FMA
-/// when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
+/// Whether the 512-bit compilation may run here (`SPECINFER_NO_AVX512` or `SPECINFER_NO_SIMD`
+/// turn it off).
+pub(crate) fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            avx2_fma()
+                && std::env::var_os("SPECINFER_NO_AVX512").is_none()
+                && is_x86_feature_detected!("avx512f")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX-512
+/// ([`Wide`]) or AVX2+FMA ([`Fused`]) when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
 /// function of its own with those parameters, so the generic body is inlined into code that has
 /// the features from the start (unrolled and vectorised with them).
 macro_rules! dispatch {
     ($f:ident :: <A $(, $c:tt)*>($($arg:ident : $ty:ty = $val:expr),* $(,)?) $(-> $ret:ty)?) => {{
         #[cfg(target_arch = "x86_64")]
         {
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                $f::<$crate::lanes::Wide $(, $c)*>($($arg),*)
+            }
             #[target_feature(enable = "avx2,fma")]
             unsafe fn fused($($arg: $ty),*) $(-> $ret)? {
                 $f::<$crate::lanes::Fused $(, $c)*>($($arg),*)
             }
-            if $crate::lanes::avx2_fma() {
+            if $crate::lanes::avx512() {
+                // SAFETY: AVX-512F, AVX2 and FMA were detected at run time.
+                unsafe { wide($($val),*) }
+            } else if $crate::lanes::avx2_fma() {
                 // SAFETY: AVX2 and FMA were detected at run time.
                 unsafe { fused($($val),*) }
             } else {
@@ -537,6 +767,26 @@ mod tests {
         assert_eq!(exp_nonpositive::<Plain>(f32::NEG_INFINITY), 0.0);
     }
 
+    /// The 512-bit softmax weights are the lane code's, bit for bit (tails included).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_softmax_weights_are_the_lane_codes() {
+        if !avx512() {
+            return;
+        }
+        let scores: Vec<f32> = (0..1037)
+            .map(|i| ((i * 7919) % 2003) as f32 * 0.05 - 90.0)
+            .collect();
+        let max = max(&scores);
+        let (mut a, mut b) = (scores.clone(), scores);
+        // SAFETY: AVX-512F, AVX2 and FMA were detected.
+        let sb = unsafe { wide::exp_shifted_sum(&mut b, max) };
+        exp_shifted_sum_lanes::<Wide>(&mut a, max);
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        let sum: f32 = a.iter().sum();
+        assert!((sb - sum).abs() <= 1e-5 * sum);
+    }
+
     /// Eight sums at once are eight [`hsum8`]s, bit for bit.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -550,8 +800,12 @@ mod tests {
             })
         });
         // SAFETY: AVX2 and FMA were detected.
-        let got =
-            unsafe { fused::hsum8x8(v.map(|x| std::arch::x86_64::_mm256_loadu_ps(x.as_ptr()))) };
+        let got = unsafe {
+            let sums = fused::hsum8x8(v.map(|x| std::arch::x86_64::_mm256_loadu_ps(x.as_ptr())));
+            let mut got = [0f32; 8];
+            std::arch::x86_64::_mm256_storeu_ps(got.as_mut_ptr(), sums);
+            got
+        };
         for p in 0..8 {
             assert_eq!(got[p].to_bits(), hsum8(v[p]).to_bits(), "vector {p}");
         }
