@@ -9,3 +9,27 @@ cd "$(dirname "$0")/.."
 cache=${SPECINFER_CACHE:-.cache/specinfer}
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:$(cd "$cache" 2>/dev/null && pwd || true)"
 cargo run --release -p specinfer-model --features cuda --example gpu_check
+
+# The verifier service on the GPU: serve with --device cuda:0 on loopback, generate through it
+# (greedy, the default tree) and through the embedded CPU verifier, and compare the answers.
+cargo build --release -p specinfer-verifier --features cuda -p specinfer-edge
+log=$(mktemp)
+./target/release/specinfer-verifier serve --device cuda:0 --self-signed --insecure-no-auth \
+  --listen 127.0.0.1:4433 >"$log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do grep -q "listening on" "$log" && break; sleep 1; done
+grep -q "listening on" "$log" || { cat "$log"; echo "the GPU verifier did not start" >&2; exit 1; }
+pin=$(sed -n 's/.*fingerprint (pin it on clients): //p' "$log")
+prompt="Write a haiku about the sea."
+gpu=$(./target/release/specinfer generate --server 127.0.0.1:4433 --pin "$pin" --max-tokens 64 \
+  --json --prompt "$prompt")
+cpu=$(./target/release/specinfer generate --max-tokens 64 --json --prompt "$prompt")
+echo "GPU service: $gpu"
+echo "CPU embedded: $cpu"
+ids() { sed 's/.*"token_ids":\[\([^]]*\)\].*/\1/'; }
+if [ "$(echo "$gpu" | ids)" = "$(echo "$cpu" | ids)" ]; then
+  echo "GPU service answer == CPU answer (greedy)"
+else
+  echo "GPU service answer differs from the CPU answer (greedy; a near-tie between the two engines' logits can do this)"
+fi

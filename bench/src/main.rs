@@ -509,7 +509,7 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMo
     let limits = Limits::default();
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().enumerate() {
-        let mut session = Session::open(&ctx.llm, ids, params(ctx, mode, i as u64), &limits)?;
+        let mut session = Session::open(&*ctx.llm, ids, params(ctx, mode, i as u64), &limits)?;
         let draft_mode = match mode {
             VerifyMode::Greedy => DraftMode::Greedy,
             _ => DraftMode::Sample {
@@ -530,7 +530,7 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMo
                 None => TokenTree::root(session.root()),
             };
             let t = Instant::now();
-            let out = session.verify(&ctx.llm, &limits, &tree)?;
+            let out = session.verify(&*ctx.llm, &limits, &tree)?;
             run.verifier_seconds += t.elapsed().as_secs_f64();
             run.tokens += out.tokens.len();
             run.rounds += 1;

@@ -12,7 +12,7 @@ use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryS
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use specinfer_model::Llama;
+use specinfer_model::TreeModel;
 use specinfer_wire::{ErrorCode, Limits, RoundStats, SamplingParams, TokenTree};
 use tokio::sync::oneshot;
 
@@ -186,8 +186,8 @@ impl EngineHandle {
     }
 }
 
-struct Entry {
-    session: Session,
+struct Entry<M: TreeModel> {
+    session: Session<M>,
     resume_token: [u8; 16],
     last_used: Instant,
     detached_at: Option<Instant>,
@@ -213,8 +213,8 @@ struct PendingVerify {
 }
 
 /// Starts the engine thread. It ends after `shutdown`, or when every handle is dropped.
-pub fn spawn(
-    model: Arc<Llama>,
+pub fn spawn<M: TreeModel + 'static>(
+    model: Arc<M>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
 ) -> (EngineHandle, std::thread::JoinHandle<()>) {
@@ -248,18 +248,18 @@ fn seed() -> u64 {
     h.finish()
 }
 
-struct Engine {
-    model: Arc<Llama>,
+struct Engine<M: TreeModel> {
+    model: Arc<M>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
-    sessions: HashMap<SessionId, Entry>,
+    sessions: HashMap<SessionId, Entry<M>>,
     pending: VecDeque<PendingVerify>,
     next_id: SessionId,
     /// Keys resume tokens (unguessable per process).
     seed: u64,
 }
 
-impl Engine {
+impl<M: TreeModel> Engine<M> {
     fn run(mut self, rx: Receiver<Request>) {
         let mut stopping = false;
         loop {
@@ -393,7 +393,7 @@ impl Engine {
         if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
             return Err(EngineError::busy("the verifier's KV memory is full"));
         }
-        let session = Session::new(&self.model, &prompt, params, &self.cfg.limits)
+        let session = Session::new(&*self.model, &prompt, params, &self.cfg.limits)
             .map_err(|e| EngineError::new(ErrorCode::BadFrame, e.to_string()))?;
         let id = self.next_id;
         self.next_id += 1;
@@ -482,12 +482,12 @@ impl Engine {
 
         let started = Instant::now();
         // Sessions leave the table for the forward so each can be borrowed mutably.
-        let mut entries: Vec<Entry> = jobs
+        let mut entries: Vec<Entry<M>> = jobs
             .iter()
             .map(|(id, _)| self.sessions.remove(id).expect("checked above"))
             .collect();
         let results = {
-            let mut work: Vec<(&mut Session, Work)> = entries
+            let mut work: Vec<(&mut Session<M>, Work)> = entries
                 .iter_mut()
                 .zip(&jobs)
                 .map(|(e, (_, job))| {
@@ -498,7 +498,7 @@ impl Engine {
                     (&mut e.session, w)
                 })
                 .collect();
-            run_batch(&self.model, &self.cfg.limits, &mut work)
+            run_batch(&*self.model, &self.cfg.limits, &mut work)
         };
         let forward = started.elapsed();
         let rounds = jobs

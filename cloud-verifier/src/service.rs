@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use std::future::Future;
 
-use specinfer_model::Llama;
+use specinfer_model::TreeModel;
 use specinfer_wire::{
     ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, Verified,
     PROTOCOL_VERSION,
@@ -99,8 +99,8 @@ pub struct RunningVerifier {
 }
 
 /// Starts the engine thread and the QUIC endpoint. Must be called inside a tokio runtime.
-pub fn start(
-    model: Arc<Llama>,
+pub fn start<M: TreeModel + 'static>(
+    model: Arc<M>,
     identity: &ServerIdentity,
     listen: SocketAddr,
     cfg: ServiceConfig,

@@ -1,10 +1,11 @@
 //! A verifier session, sans-I/O: the committed tokens, their KV cache, the sampling parameters and
-//! the session's own RNG. The QUIC service and the in-process (embedded) verifier both drive it.
+//! the session's own RNG. The QUIC service and the in-process (embedded) verifier both drive it,
+//! on any [`TreeModel`] (the CPU engine by default, a GPU's with the `cuda` feature).
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::distribution;
-use specinfer_model::{KvCache, Llama, ModelError, SeqTree};
+use specinfer_model::{Llama, ModelError, TreeModel};
 use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, TreeError, VerifyMode};
 
 use crate::verify::{verify_greedy, verify_naive_sampling, verify_stochastic, Verdict};
@@ -40,9 +41,9 @@ pub struct RoundOutcome {
     pub rejected_at_depth: Vec<u32>,
 }
 
-pub struct Session {
+pub struct Session<M: TreeModel = Llama> {
     params: SamplingParams,
-    cache: KvCache,
+    cache: M::Cache,
     /// Prompt and everything generated; the last token is the next tree's root and has no K/V yet.
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -50,12 +51,12 @@ pub struct Session {
     finish: Option<FinishReason>,
 }
 
-impl Session {
+impl<M: TreeModel> Session<M> {
     /// A session whose prompt (all but its last token, the first round's root) is still to be
     /// prefilled, in chunks, by [`run_batch`] with [`Work::Prefill`]: a long prompt then shares
     /// forward passes with other sessions' rounds instead of stalling them.
     pub fn new(
-        model: &Llama,
+        model: &M,
         prompt: &[u32],
         params: SamplingParams,
         limits: &Limits,
@@ -70,7 +71,7 @@ impl Session {
         Ok(Session {
             rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
-            cache: KvCache::new(model.config()),
+            cache: model.new_cache()?,
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
             finish: None,
@@ -79,7 +80,7 @@ impl Session {
 
     /// A session with its whole prompt prefilled at once (for use outside the batching engine).
     pub fn open(
-        model: &Llama,
+        model: &M,
         prompt: &[u32],
         params: SamplingParams,
         limits: &Limits,
@@ -99,7 +100,7 @@ impl Session {
 
     /// Prompt tokens not yet in the KV cache.
     pub fn prefill_pending(&self) -> usize {
-        self.tokens.len() - 1 - self.cache.committed()
+        self.tokens.len() - 1 - M::committed(&self.cache)
     }
 
     /// The token the next tree must have as its root.
@@ -120,10 +121,10 @@ impl Session {
     }
 
     pub fn kv_bytes(&self) -> usize {
-        self.cache.bytes()
+        M::cache_bytes(&self.cache)
     }
 
-    fn check(&self, model: &Llama, tree: &TokenTree, limits: &Limits) -> Result<(), SessionError> {
+    fn check(&self, model: &M, tree: &TokenTree, limits: &Limits) -> Result<(), SessionError> {
         if let Some(f) = self.finish {
             return Err(SessionError::Finished(f));
         }
@@ -134,7 +135,7 @@ impl Session {
         // Checked here, per session, so one sequence at the end of its context never fails the
         // batched forward of the others.
         let needed =
-            self.cache.committed() + tree.depths().into_iter().max().unwrap_or(0) as usize + 1;
+            M::committed(&self.cache) + tree.depths().into_iter().max().unwrap_or(0) as usize + 1;
         if needed > model.config().max_positions {
             return Err(SessionError::Model(ModelError::ContextFull {
                 needed,
@@ -158,7 +159,12 @@ impl Session {
 
     /// Applies a verdict: commits the accepted path's K/V, appends the tokens, applies stop and
     /// length limits.
-    fn commit(&mut self, tree: &TokenTree, verdict: Verdict) -> RoundOutcome {
+    fn commit(
+        &mut self,
+        model: &M,
+        tree: &TokenTree,
+        verdict: Verdict,
+    ) -> Result<RoundOutcome, SessionError> {
         let mut tokens = verdict.tokens(tree);
         let mut finish = None;
         if let Some(i) = tokens.iter().position(|t| self.params.stop_ids.contains(t)) {
@@ -172,16 +178,16 @@ impl Session {
         }
         let mut path = vec![0u32];
         path.extend(&verdict.accepted);
-        self.cache.compact(&path);
+        model.keep_path(&mut self.cache, &path)?;
         self.tokens.extend(&tokens);
         self.finish = finish;
-        RoundOutcome {
+        Ok(RoundOutcome {
             accepted_nodes: verdict.accepted,
             tokens,
             finish,
             accepted_at_depth: verdict.accepted_at_depth,
             rejected_at_depth: verdict.rejected_at_depth,
-        }
+        })
     }
 
     fn decide(&mut self, tree: &TokenTree, logits: &specinfer_model::Logits) -> Verdict {
@@ -216,17 +222,17 @@ pub enum Done {
 
 /// Runs several sessions' work (verification trees and prefill chunks) in ONE batched forward.
 /// A session whose work is refused gets its error; the others go on.
-pub fn run_batch(
-    model: &Llama,
+pub fn run_batch<M: TreeModel>(
+    model: &M,
     limits: &Limits,
-    work: &mut [(&mut Session, Work)],
+    work: &mut [(&mut Session<M>, Work)],
 ) -> Vec<Result<Done, SessionError>> {
     // Prefill chunks become chain trees; verification trees are used as given.
     let chains: Vec<Option<TokenTree>> = work
         .iter()
         .map(|(s, w)| match w {
             Work::Prefill { max_tokens } if s.prefill_pending() > 0 => {
-                let start = s.cache.committed();
+                let start = M::committed(&s.cache);
                 let end = start + s.prefill_pending().min((*max_tokens).max(1));
                 Some(TokenTree::chain(&s.tokens[start..end]))
             }
@@ -255,14 +261,14 @@ pub fn run_batch(
                 _ => unreachable!("only runnable work reaches the forward"),
             })
             .collect();
-        let mut batch: Vec<SeqTree> = work
+        let mut batch: Vec<(&mut M::Cache, &TokenTree)> = work
             .iter_mut()
             .zip(&runnable)
             .filter(|(_, &r)| r)
             .zip(&trees)
-            .map(|(((s, _), _), tree)| SeqTree::new(&mut s.cache, tree))
+            .map(|(((s, _), _), tree)| (&mut s.cache, *tree))
             .collect();
-        let forward = model.forward(&mut batch);
+        let forward = model.forward_trees(&mut batch);
         drop(batch);
         let chosen = work
             .iter_mut()
@@ -273,18 +279,21 @@ pub fn run_batch(
         match forward {
             Ok(logits) => {
                 for ((((s, w), result), l), tree) in chosen.zip(&logits).zip(&trees) {
-                    *result = Some(Ok(match w {
+                    *result = Some(match w {
                         Work::Verify(_) => {
                             let verdict = s.decide(tree, l);
-                            Done::Round(s.commit(tree, verdict))
+                            s.commit(model, tree, verdict).map(Done::Round)
                         }
                         Work::Prefill { .. } => {
-                            s.cache.compact(&(0..tree.len() as u32).collect::<Vec<_>>());
-                            Done::Prefilled {
-                                pending: s.prefill_pending(),
-                            }
+                            let all: Vec<u32> = (0..tree.len() as u32).collect();
+                            model
+                                .keep_path(&mut s.cache, &all)
+                                .map(|()| Done::Prefilled {
+                                    pending: s.prefill_pending(),
+                                })
+                                .map_err(SessionError::Model)
                         }
-                    }));
+                    });
                 }
             }
             Err(e) => {
@@ -306,12 +315,12 @@ pub fn run_batch(
 }
 
 /// Verifies several sessions' trees in ONE batched forward (see [`run_batch`]).
-pub fn verify_batch(
-    model: &Llama,
+pub fn verify_batch<M: TreeModel>(
+    model: &M,
     limits: &Limits,
-    work: &mut [(&mut Session, &TokenTree)],
+    work: &mut [(&mut Session<M>, &TokenTree)],
 ) -> Vec<Result<RoundOutcome, SessionError>> {
-    let mut w: Vec<(&mut Session, Work)> = work
+    let mut w: Vec<(&mut Session<M>, Work)> = work
         .iter_mut()
         .map(|(s, t)| (&mut **s, Work::Verify(t)))
         .collect();
@@ -324,11 +333,11 @@ pub fn verify_batch(
         .collect()
 }
 
-impl Session {
+impl<M: TreeModel> Session<M> {
     /// One round for this session alone.
     pub fn verify(
         &mut self,
-        model: &Llama,
+        model: &M,
         limits: &Limits,
         tree: &TokenTree,
     ) -> Result<RoundOutcome, SessionError> {

@@ -85,6 +85,11 @@ impl CudaKvCache {
         self.committed
     }
 
+    /// Device bytes held (the whole context is allocated up front).
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
+    }
+
     /// Forgets everything after the first `len` committed positions (and the scratch region).
     pub fn rollback(&mut self, len: usize) {
         assert!(len <= self.committed, "cannot roll forward");

@@ -12,11 +12,13 @@ mod llama;
 mod load;
 mod onnx;
 mod tokenizer;
+mod tree_model;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use kv::KvCache;
 pub use llama::{Llama, Logits, SeqTree};
 pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};
+pub use tree_model::TreeModel;
 
 use std::path::PathBuf;
 

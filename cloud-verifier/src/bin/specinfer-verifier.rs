@@ -40,9 +40,11 @@ struct ServeArgs {
     /// LLM GGUF file; default: SmolLM2-135M-Instruct Q4_1, fetched into the cache.
     #[arg(long)]
     llm: Option<PathBuf>,
-    /// Compute device: cpu (cuda:N needs a build with the `cuda` feature).
-    #[arg(long, default_value = "cpu")]
-    device: String,
+    /// Where the LLM runs: cpu, or cuda:N (GPU N; cuda = cuda:0) in a build with the `cuda`
+    /// feature (`cargo build --release -p specinfer-verifier --features cuda`; needs the NVIDIA
+    /// driver and NVRTC at run time, not at build time).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
     /// Certificate chain (PEM).
     #[arg(long, requires = "key", conflicts_with = "self_signed")]
     cert: Option<PathBuf>,
@@ -101,6 +103,34 @@ struct ServeArgs {
     web_api_key: Option<String>,
 }
 
+/// Where the LLM runs.
+#[derive(Clone, Copy, Debug)]
+enum Device {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(usize),
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    if s == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let ordinal = s.strip_prefix("cuda").and_then(|rest| match rest {
+        "" => Some(0),
+        _ => rest.strip_prefix(':')?.parse::<usize>().ok(),
+    });
+    match ordinal {
+        None => Err("expected cpu, cuda or cuda:N".into()),
+        #[cfg(feature = "cuda")]
+        Some(n) => Ok(Device::Cuda(n)),
+        #[cfg(not(feature = "cuda"))]
+        Some(_) => Err(
+            "this build has only the cpu device; build with `--features cuda` for NVIDIA GPUs"
+                .into(),
+        ),
+    }
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -110,9 +140,6 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let Command::Serve(args) = Cli::parse().command;
-    if args.device != "cpu" {
-        bail!("device {:?} is not available: this build has only the cpu device (the CUDA path needs the `cuda` feature)", args.device);
-    }
     let identity = match (&args.cert, &args.key, args.self_signed) {
         (Some(c), Some(k), false) => ServerIdentity::from_pem(c, k)?,
         (None, None, true) => {
@@ -183,7 +210,21 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let mut server = service::start(Arc::new(model), &identity, args.listen, cfg)?;
+        let mut server = match args.device {
+            Device::Cpu => service::start(Arc::new(model), &identity, args.listen, cfg)?,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => {
+                let gpu = specinfer_model::cuda::CudaLlama::upload(&model, ordinal)
+                    .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
+                drop(model);
+                tracing::info!(
+                    ordinal,
+                    weight_bytes = gpu.weight_bytes(),
+                    "model on the GPU"
+                );
+                service::start(Arc::new(gpu), &identity, args.listen, cfg)?
+            }
+        };
         println!("listening on {} (QUIC)", server.local_addr());
         if let Some(addr) = args.web {
             let browser_identity =

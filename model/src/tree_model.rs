@@ -1,0 +1,101 @@
+//! What a verifier needs of a model, whatever device it runs on: per-sequence KV caches, one
+//! batched forward over several sequences' trees, and keeping a round's accepted path. The CPU
+//! engine ([`Llama`]) and, with the `cuda` feature, the GPU engine implement it, so the verifier's
+//! sessions, batching and service are written once for both.
+
+use specinfer_wire::TokenTree;
+
+use crate::{KvCache, Llama, Logits, ModelConfig, Result, SeqTree};
+
+pub trait TreeModel: Send + Sync {
+    /// One sequence's KV cache (in host or device memory).
+    type Cache: Send;
+
+    fn config(&self) -> &ModelConfig;
+
+    fn new_cache(&self) -> Result<Self::Cache>;
+
+    /// Positions of `cache` whose K/V are final.
+    fn committed(cache: &Self::Cache) -> usize;
+
+    /// Bytes `cache` holds, for memory budgets.
+    fn cache_bytes(cache: &Self::Cache) -> usize;
+
+    /// Logits of every node of every sequence's tree, computed in one pass (see
+    /// [`Llama::forward`]); each tree's nodes are left in its cache's scratch region.
+    fn forward_trees(&self, seqs: &mut [(&mut Self::Cache, &TokenTree)]) -> Result<Vec<Logits>>;
+
+    /// Keeps the nodes of `path` (strictly increasing node indices of the last tree) as
+    /// committed positions and drops the rest of the scratch region.
+    fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()>;
+}
+
+impl TreeModel for Llama {
+    type Cache = KvCache;
+
+    fn config(&self) -> &ModelConfig {
+        Llama::config(self)
+    }
+
+    fn new_cache(&self) -> Result<KvCache> {
+        Ok(KvCache::new(Llama::config(self)))
+    }
+
+    fn committed(cache: &KvCache) -> usize {
+        cache.committed()
+    }
+
+    fn cache_bytes(cache: &KvCache) -> usize {
+        cache.bytes()
+    }
+
+    fn forward_trees(&self, seqs: &mut [(&mut KvCache, &TokenTree)]) -> Result<Vec<Logits>> {
+        let mut batch: Vec<SeqTree> = seqs
+            .iter_mut()
+            .map(|(cache, tree)| SeqTree::new(cache, tree))
+            .collect();
+        self.forward(&mut batch)
+    }
+
+    fn keep_path(&self, cache: &mut KvCache, path: &[u32]) -> Result<()> {
+        cache.compact(path);
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl TreeModel for crate::cuda::CudaLlama {
+    type Cache = crate::cuda::CudaKvCache;
+
+    fn config(&self) -> &ModelConfig {
+        crate::cuda::CudaLlama::config(self)
+    }
+
+    fn new_cache(&self) -> Result<Self::Cache> {
+        crate::cuda::CudaLlama::new_cache(self)
+    }
+
+    fn committed(cache: &Self::Cache) -> usize {
+        cache.committed()
+    }
+
+    fn cache_bytes(cache: &Self::Cache) -> usize {
+        cache.bytes()
+    }
+
+    fn forward_trees(&self, seqs: &mut [(&mut Self::Cache, &TokenTree)]) -> Result<Vec<Logits>> {
+        let mut batch: Vec<crate::cuda::CudaSeqTree> = seqs
+            .iter_mut()
+            .map(|(cache, tree)| crate::cuda::CudaSeqTree {
+                cache,
+                tree,
+                first: 0,
+            })
+            .collect();
+        self.forward(&mut batch)
+    }
+
+    fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()> {
+        self.compact(cache, path)
+    }
+}
