@@ -96,6 +96,7 @@ pub fn coverage(ssms: &[&Llama], e: &Example, positions: usize, k: usize) -> Res
     let short = Example {
         prompt: e.prompt.clone(),
         answer: e.answer.iter().take(positions).copied().collect(),
+        top: Vec::new(),
     };
     let (seq, proposals) = ensemble_proposals(ssms, &short, usize::MAX)?;
     let range = short.prompt.len() - 1..seq.len() - 1;

@@ -271,22 +271,6 @@ fn distil(
     out: &std::path::Path,
 ) -> Result<(Vec<f32>, f32)> {
     let head = train::head_tokens(examples, m.head_tokens, tok.eos());
-    let covered = examples
-        .iter()
-        .flat_map(|e| &e.answer)
-        .filter(|t| head.contains(t))
-        .count() as f64
-        / examples
-            .iter()
-            .map(|e| e.answer.len())
-            .sum::<usize>()
-            .max(1) as f64;
-    eprintln!(
-        "      {} examples; head of {} tokens covers {:.1}% of the teacher's answer tokens",
-        examples.len(),
-        head.len(),
-        covered * 100.0
-    );
     let cfg = ssm::SsmConfig {
         vocab_size: llm.config().vocab_size,
         d_model: m.d_model,
@@ -315,6 +299,25 @@ fn distil(
         }
         _ => 0,
     };
+    let head: std::collections::HashSet<u32> = model.head_ids.iter().copied().collect();
+    let covered = examples
+        .iter()
+        .flat_map(|e| &e.answer)
+        .filter(|t| head.contains(t))
+        .count() as f64
+        / examples
+            .iter()
+            .map(|e| e.answer.len())
+            .sum::<usize>()
+            .max(1) as f64;
+    eprintln!(
+        "      {} examples ({} with the teacher's top-{}); head of {} tokens covers {:.1}% of the teacher's answer tokens",
+        examples.len(),
+        examples.iter().filter(|e| !e.top.is_empty()).count(),
+        teacher::TOP_KEPT,
+        head.len(),
+        covered * 100.0
+    );
     let tc = train::TrainConfig {
         steps: m.steps,
         batch: m.batch,

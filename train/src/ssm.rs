@@ -25,6 +25,9 @@ pub struct SsmConfig {
     pub max_positions: usize,
 }
 
+/// The head's token ids in exports and checkpoints.
+const HEAD_IDS: &str = "lm_head.token_ids";
+
 pub struct Ssm {
     pub cfg: SsmConfig,
     /// Token ids of the head's rows.
@@ -228,7 +231,7 @@ impl Ssm {
             tensors.insert(name.clone(), v.as_tensor().to_dtype(DType::F16)?);
         }
         tensors.insert(
-            "lm_head.token_ids".into(),
+            HEAD_IDS.into(),
             Tensor::new(self.head_ids.as_slice(), &Device::Cpu)?,
         );
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
@@ -256,19 +259,35 @@ impl Ssm {
         Ok(())
     }
 
-    /// Saves / restores the training state (f32 weights) for resumption.
+    /// Saves / restores the training state (f32 weights and the head's token ids) for
+    /// resumption. The head is restored too: with more teacher data the most frequent tokens
+    /// change, and the head's rows must keep meaning the tokens they were trained on.
     pub fn save_checkpoint(&self, path: &Path) -> Result<()> {
-        let t: HashMap<String, Tensor> = self
+        let mut t: HashMap<String, Tensor> = self
             .vars
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
+        t.insert(
+            HEAD_IDS.into(),
+            Tensor::new(self.head_ids.as_slice(), &Device::Cpu)?,
+        );
         candle_core::safetensors::save(&t, path)?;
         Ok(())
     }
 
     pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+        if let Some(ids) = t.get(HEAD_IDS) {
+            let ids = ids.to_vec1::<u32>()?;
+            anyhow::ensure!(
+                ids.len() == self.head_ids.len(),
+                "checkpoint head has {} tokens, this run {}",
+                ids.len(),
+                self.head_ids.len()
+            );
+            self.head_ids = ids;
+        }
         for (n, v) in &self.vars {
             if let Some(saved) = t.get(n) {
                 v.set(saved)?;

@@ -14,6 +14,35 @@ use specinfer_wire::TokenTree;
 pub struct Example {
     pub prompt: Vec<u32>,
     pub answer: Vec<u32>,
+    /// Per answer token, the teacher's most likely tokens there with their probabilities (at
+    /// temperature 1): soft targets for distillation. Empty in answers made before they were kept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top: Vec<Vec<(u32, f32)>>,
+}
+
+/// How many of the teacher's most likely tokens each answer position keeps.
+pub const TOP_KEPT: usize = 8;
+
+/// The `k` most likely tokens of softmax(`logits`) with their probabilities, most likely first.
+pub fn top_probabilities(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(ids.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k, by_logit);
+        ids.truncate(k);
+    }
+    ids.sort_by(by_logit);
+    ids.into_iter()
+        .map(|t| {
+            (
+                t,
+                (((logits[t as usize] - max) as f64).exp() / total) as f32,
+            )
+        })
+        .collect()
 }
 
 pub fn read_examples(path: &Path) -> Result<Vec<Example>> {
@@ -47,12 +76,17 @@ pub fn generate(
     let mut tokens = 0usize;
     let todo = &prompts[done.min(prompts.len())..];
     for (b, chunk) in todo.chunks(batch).enumerate() {
-        let mut seqs: Vec<(Vec<u32>, KvCache, Vec<u32>, bool)> = Vec::new();
+        let mut seqs: Vec<(Vec<u32>, KvCache, Example, bool)> = Vec::new();
         for p in chunk {
             let ids = tok.encode(&tok.chat_prompt(&[ChatMessage::new("user", p)]))?;
             let mut cache = KvCache::new(llm.config());
             llm.prefill(&mut cache, &ids[..ids.len() - 1])?;
-            seqs.push((ids, cache, Vec::new(), false));
+            let answer = Example {
+                prompt: Vec::new(),
+                answer: Vec::new(),
+                top: Vec::new(),
+            };
+            seqs.push((ids, cache, answer, false));
         }
         for _ in 0..max_new {
             let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].3).collect();
@@ -65,6 +99,7 @@ pub fn generate(
                     TokenTree::root(
                         *seqs[i]
                             .2
+                            .answer
                             .last()
                             .unwrap_or(seqs[i].0.last().expect("prompt")),
                     )
@@ -87,22 +122,17 @@ pub fn generate(
                 let s = &mut seqs[i];
                 s.1.compact(&[0]);
                 let t = argmax(l.node(0)) as u32;
-                s.2.push(t);
+                s.2.answer.push(t);
+                s.2.top.push(top_probabilities(l.node(0), TOP_KEPT));
                 tokens += 1;
-                if tok.eos().contains(&t) || s.2.len() >= max_new {
+                if tok.eos().contains(&t) || s.2.answer.len() >= max_new {
                     s.3 = true;
                 }
             }
         }
-        for (ids, _, answer, _) in seqs {
-            writeln!(
-                file,
-                "{}",
-                serde_json::to_string(&Example {
-                    prompt: ids,
-                    answer
-                })?
-            )?;
+        for (ids, _, mut example, _) in seqs {
+            example.prompt = ids;
+            writeln!(file, "{}", serde_json::to_string(&example)?)?;
         }
         let n = done + (b + 1) * batch;
         let rate = tokens as f64 / start.elapsed().as_secs_f64();

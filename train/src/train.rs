@@ -1,17 +1,19 @@
-//! Distillation: cross-entropy on the teacher's answer tokens, AdamW, warmup + cosine schedule,
-//! checkpoints for resumption.
+//! Distillation: cross-entropy on the teacher's answer tokens, plus cross-entropy against the
+//! teacher's top-k probabilities where the teacher data kept them (a soft target says how close
+//! the runners-up were, which the top-k proposals of a tree and stochastic verification both
+//! use); AdamW, warmup + cosine schedule, checkpoints for resumption.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use rand::{Rng, SeedableRng};
 
 use crate::ssm::Ssm;
-use crate::teacher::Example;
+use crate::teacher::{Example, TOP_KEPT};
 
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
@@ -45,11 +47,19 @@ pub fn head_tokens(examples: &[Example], head: usize, always: &[u32]) -> Vec<u32
     ids
 }
 
-/// One training batch: inputs, head-index targets of the answer positions, and where they are.
+/// Weight of the soft (top-k) term against the hard (teacher token) term.
+const SOFT_WEIGHT: f64 = 0.5;
+
+/// One training batch: inputs, head-index targets of the answer positions, and where they are;
+/// per such position the teacher's top-k as head indices and probabilities (probability 0 where
+/// not kept or outside the head).
 struct Batch {
     ids: Tensor,
     rows: Tensor,
     targets: Tensor,
+    soft_ids: Tensor,
+    soft_probs: Tensor,
+    soft_rows: usize,
 }
 
 fn make_batch(
@@ -74,7 +84,9 @@ fn make_batch(
         return Ok(None);
     }
     let (mut ids, mut rows, mut targets) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut soft_ids, mut soft_probs, mut soft_rows) = (Vec::new(), Vec::new(), 0);
     for (b, (s, answer_from)) in seqs.iter().enumerate() {
+        let e = &examples[picks[b]];
         for p in 0..l {
             ids.push(*s.get(p).unwrap_or(&0));
             // Position p predicts s[p + 1]; train on answer tokens inside the head.
@@ -82,6 +94,16 @@ fn make_batch(
                 if let Some(&h) = head_index.get(&s[p + 1]) {
                     rows.push((b * l + p) as u32);
                     targets.push(h);
+                    let top = e.top.get(p + 1 - answer_from).map_or(&[][..], |t| &t[..]);
+                    soft_rows += usize::from(!top.is_empty());
+                    for k in 0..TOP_KEPT {
+                        let kept = top
+                            .get(k)
+                            .and_then(|&(t, q)| Some((*head_index.get(&t)?, q)));
+                        let (i, q) = kept.unwrap_or((0, 0.0));
+                        soft_ids.push(i);
+                        soft_probs.push(q);
+                    }
                 }
             }
         }
@@ -90,19 +112,32 @@ fn make_batch(
         return Ok(None);
     }
     let dev = Device::Cpu;
+    let n = rows.len();
     Ok(Some(Batch {
         ids: Tensor::from_vec(ids, (seqs.len(), l), &dev)?,
         rows: Tensor::new(rows.as_slice(), &dev)?,
         targets: Tensor::new(targets.as_slice(), &dev)?,
+        soft_ids: Tensor::from_vec(soft_ids, (n, TOP_KEPT), &dev)?,
+        soft_probs: Tensor::from_vec(soft_probs, (n, TOP_KEPT), &dev)?,
+        soft_rows,
     }))
 }
 
-/// Mean cross-entropy of `ssm` on a batch of `examples`.
+/// Mean cross-entropy of `ssm` on the teacher's tokens of a batch, mixed with the mean
+/// cross-entropy against the teacher's top-k over the positions that have them.
 fn loss(ssm: &Ssm, batch: &Batch) -> candle_core::Result<Tensor> {
     let logits = ssm.forward(&batch.ids)?;
     let (b, l, h) = logits.dims3()?;
     let picked = logits.reshape((b * l, h))?.index_select(&batch.rows, 0)?;
-    candle_nn::loss::cross_entropy(&picked, &batch.targets)
+    let hard = candle_nn::loss::cross_entropy(&picked, &batch.targets)?;
+    if batch.soft_rows == 0 {
+        return Ok(hard);
+    }
+    let log_q = candle_nn::ops::log_softmax(&picked, D::Minus1)?;
+    let soft = (log_q.gather(&batch.soft_ids, 1)? * &batch.soft_probs)?
+        .sum_all()?
+        .affine(-1.0 / batch.soft_rows as f64, 0.0)?;
+    hard.affine(1.0 - SOFT_WEIGHT, 0.0)? + soft.affine(SOFT_WEIGHT, 0.0)?
 }
 
 /// Trains from step `start` (after a resumed checkpoint) to `cfg.steps`; returns the mean loss of

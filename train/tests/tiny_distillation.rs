@@ -5,25 +5,32 @@ use candle_core::{Device, Tensor};
 use specinfer_kernels::sampling::argmax;
 use specinfer_model::{Arch, KvCache, Llama, ModelConfig, SeqTree};
 use specinfer_train::ssm::{Ssm, SsmConfig};
-use specinfer_train::teacher::Example;
+use specinfer_train::teacher::{top_probabilities, Example, TOP_KEPT};
 use specinfer_train::train::{head_tokens, train, TrainConfig};
 use specinfer_wire::TokenTree;
 
-/// Greedy continuations of random prompts by the teacher.
+/// Greedy continuations of random prompts by the teacher; every other one keeps the teacher's
+/// top-k probabilities (soft targets), as teacher data made before and after they were kept.
 fn teacher_examples(teacher: &Llama, n: usize) -> Vec<Example> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     (0..n)
-        .map(|_| {
+        .map(|i| {
             let prompt: Vec<u32> = (0..rng.random_range(3..10))
                 .map(|_| rng.random_range(0..101))
                 .collect();
             let mut kv = KvCache::new(teacher.config());
             let mut last = teacher.prefill(&mut kv, &prompt).unwrap();
-            let mut answer = Vec::new();
+            let (mut answer, mut top) = (Vec::new(), Vec::new());
             for _ in 0..12 {
                 let t = argmax(&last) as u32;
                 answer.push(t);
+                if i % 2 == 0 {
+                    let kept = top_probabilities(&last, TOP_KEPT);
+                    assert_eq!(kept[0].0, t, "the most likely token comes first");
+                    assert!(kept.windows(2).all(|w| w[0].1 >= w[1].1));
+                    top.push(kept);
+                }
                 let tree = TokenTree::root(t);
                 last = teacher
                     .forward(&mut [SeqTree::new(&mut kv, &tree)])
@@ -34,7 +41,11 @@ fn teacher_examples(teacher: &Llama, n: usize) -> Vec<Example> {
                 kv.compact(&[0]);
             }
             // The example's prompt ends where the answer starts.
-            Example { prompt, answer }
+            Example {
+                prompt,
+                answer,
+                top,
+            }
         })
         .collect()
 }
@@ -66,12 +77,27 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
         seed: 1,
         checkpoint_every: 1000,
     };
-    let curve = train(&mut ssm, &examples, &tc, &dir.join("ckpt.safetensors"), 0).unwrap();
+    let checkpoint = dir.join("ckpt.safetensors");
+    let curve = train(&mut ssm, &examples, &tc, &checkpoint, 0).unwrap();
     println!("loss curve: {curve:?}");
     assert!(
         curve.last().unwrap() < &(curve[0] * 0.7),
         "loss did not fall: {curve:?}"
     );
+
+    // A resumed run keeps the checkpoint's head, whatever head its own data would choose.
+    let mut other_head = ssm.head_ids.clone();
+    other_head.reverse();
+    let mut resumed = Ssm::init(
+        ssm.cfg.clone(),
+        other_head,
+        teacher.token_embeddings(),
+        64,
+        4,
+    )
+    .unwrap();
+    resumed.load_checkpoint(&checkpoint).unwrap();
+    assert_eq!(resumed.head_ids, ssm.head_ids);
 
     ssm.export(&dir.join("ssm"), &[0; 32]).unwrap();
     let exported = Llama::from_safetensors(&dir.join("ssm")).unwrap();
