@@ -65,7 +65,8 @@ struct ServeArgs {
     metrics: Option<SocketAddr>,
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
-    /// KV cache memory for all sessions together, MiB.
+    /// KV cache memory for all sessions together, MiB. On a GPU each session holds the model's
+    /// whole context from the start (SmolLM2: 360 MiB), so raise it there.
     #[arg(long, default_value_t = 4096)]
     kv_budget_mib: usize,
     /// KV cache memory one session may hold, MiB.
