@@ -239,23 +239,24 @@ fn prefix_scores<A: Arith>(
                         k_ahead(p);
                     }
                 }
+                // SAFETY: prefix entries `pos..pos + len` of row (i, h) are inside the buffer,
+                // and only the task of (kv head kh, these positions) writes them.
+                let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
                 // A block and single positions give the same bits (see `Arith::dots`).
-                let mut s = [0f32; SCORE_BLOCK];
                 if len == SCORE_BLOCK {
                     let mut rows: [&[f32]; SCORE_BLOCK] = [&[]; SCORE_BLOCK];
                     for (p, r) in rows.iter_mut().enumerate() {
                         *r = k_row(pos + p);
                     }
-                    s = A::dots(q, rows);
-                } else {
-                    for (p, s) in s.iter_mut().enumerate().take(len) {
-                        *s = A::dots(q, [k_row(pos + p)])[0];
+                    let s = A::dots(q, rows);
+                    // A whole block at once: the sums stay in a register.
+                    for (d, s) in dst.iter_mut().zip(s) {
+                        *d = s * a.scale;
                     }
-                }
-                for (p, &s) in s.iter().enumerate().take(len) {
-                    // SAFETY: prefix entry `pos + p` of row (i, h) is inside the buffer, and only
-                    // the task of (kv head kh, these positions) writes it.
-                    unsafe { *scores.0.add(row + pos + p) = s * a.scale };
+                } else {
+                    for (p, d) in dst.iter_mut().enumerate() {
+                        *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;
+                    }
                 }
                 pos += len;
             }

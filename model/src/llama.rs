@@ -347,17 +347,15 @@ impl Llama {
             logits = full;
         }
 
+        // Each sequence's rows, split off from the end (one sequence: no copy at all).
         let vocab = cfg.vocab_size;
         let mut out = Vec::with_capacity(seqs.len());
-        let mut start = 0;
-        for s in seqs.iter() {
+        for s in seqs.iter().rev() {
             let n = s.tree.len() - s.first;
-            out.push(Logits {
-                data: logits[start * vocab..(start + n) * vocab].to_vec(),
-                vocab,
-            });
-            start += n;
+            let data = logits.split_off(logits.len() - n * vocab);
+            out.push(Logits { data, vocab });
         }
+        out.reverse();
         Ok(out)
     }
 
