@@ -244,15 +244,15 @@ fn prefix_scores<A: Arith>(
                 let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
                 // A block and single positions give the same bits (see `Arith::dots`).
                 if len == SCORE_BLOCK {
-                    let mut rows: [&[f32]; SCORE_BLOCK] = [&[]; SCORE_BLOCK];
-                    for (p, r) in rows.iter_mut().enumerate() {
-                        *r = k_row(pos + p);
-                    }
-                    let s = A::dots(q, rows);
-                    // A whole block at once: the sums stay in a register.
-                    for (d, s) in dst.iter_mut().zip(s) {
-                        *d = s * a.scale;
-                    }
+                    let stride = a.shape.n_kv_heads * hd;
+                    A::scaled_dots8(
+                        q,
+                        a.k,
+                        (pos * a.shape.n_kv_heads + kh) * hd,
+                        stride,
+                        a.scale,
+                        dst,
+                    );
                 } else {
                     for (p, d) in dst.iter_mut().enumerate() {
                         *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;

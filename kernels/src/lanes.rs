@@ -18,6 +18,21 @@ pub(crate) trait Arith {
         dots_lanes::<Self, R>(a, b)
     }
 
+    /// `out[p] = dots(a, [row p])[0] * scale` for the eight rows `b[offset + p * stride..]` of a
+    /// strided matrix (attention's K rows of one kv head): the bits of [`Arith::dots`], without
+    /// slices to build or results to pass through memory.
+    #[inline(always)]
+    fn scaled_dots8(
+        a: &[f32],
+        b: &[f32],
+        offset: usize,
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        scaled_dots8_rows::<Self>(a, b, offset, stride, scale, out)
+    }
+
     /// Replaces each score `s` by `exp(s - max)` and returns their sum (8 lanes, then the tail).
     #[inline(always)]
     fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
@@ -43,6 +58,25 @@ pub(crate) trait Arith {
         for (acc, w) in acc.iter_mut().zip(weights) {
             accumulate_lanes::<Self, D>(acc, cache, &at, ts.clone(), w)
         }
+    }
+}
+
+/// [`Arith::scaled_dots8`] through [`Arith::dots`] on eight row slices.
+#[inline(always)]
+fn scaled_dots8_rows<A: Arith + ?Sized>(
+    a: &[f32],
+    b: &[f32],
+    offset: usize,
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let mut rows: [&[f32]; 8] = [&[]; 8];
+    for (p, r) in rows.iter_mut().enumerate() {
+        *r = &b[offset + p * stride..][..a.len()];
+    }
+    for (o, s) in out[..8].iter_mut().zip(A::dots(a, rows)) {
+        *o = s * scale;
     }
 }
 
@@ -142,6 +176,23 @@ impl Arith for Wide {
     }
 
     #[inline(always)]
+    fn scaled_dots8(
+        a: &[f32],
+        b: &[f32],
+        offset: usize,
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        if a.len().is_multiple_of(16) {
+            // SAFETY: as above.
+            unsafe { wide::scaled_dots8(a, b, offset, stride, scale, out) }
+        } else {
+            scaled_dots8_rows::<Self>(a, b, offset, stride, scale, out)
+        }
+    }
+
+    #[inline(always)]
     fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
         // SAFETY: as above.
         unsafe { wide::exp_shifted_sum(s, max) }
@@ -212,6 +263,39 @@ mod wide {
             folded[j] = fold(s[j]);
         }
         fused::sums_plus_tails(folded, tails)
+    }
+
+    /// [`super::Arith::scaled_dots8`] for a length that is a multiple of 16: [`dots`]'s
+    /// operations (no tail; the sum of the tails, 0, still added) on raw pointers.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn scaled_dots8(
+        a: &[f32],
+        b: &[f32],
+        offset: usize,
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        let n = a.len();
+        assert!(
+            offset + 7 * stride + n <= b.len() && out.len() >= 8,
+            "rows or out out of bounds"
+        );
+        let base = b.as_ptr().add(offset);
+        let mut s = [_mm512_setzero_ps(); 8];
+        for c in 0..n / 16 {
+            let x = _mm512_loadu_ps(a.as_ptr().add(16 * c));
+            for (p, s) in s.iter_mut().enumerate() {
+                *s = _mm512_fmadd_ps(x, _mm512_loadu_ps(base.add(p * stride + 16 * c)), *s);
+            }
+        }
+        let mut folded = [_mm256_setzero_ps(); 8];
+        for (f, s) in folded.iter_mut().zip(s) {
+            *f = fold(s);
+        }
+        let sums = _mm256_add_ps(fused::hsum8x8(folded), _mm256_setzero_ps());
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
     }
 
     /// [`super::exp_nonpositive`] on 16 lanes, operation for operation.
@@ -857,6 +941,53 @@ mod tests {
         };
         for p in 0..8 {
             assert_eq!(got[p].to_bits(), hsum8(v[p]).to_bits(), "vector {p}");
+        }
+    }
+
+    /// Eight strided scores at once are eight dots, bit for bit (on each compilation here).
+    #[test]
+    fn strided_scores_are_dots() {
+        fn check<A: Arith>() {
+            let (n, stride) = (64, 3 * 64);
+            let b: Vec<f32> = (0..9 * stride)
+                .map(|i| ((i * 7919) % 977) as f32 * 0.01 - 4.8)
+                .collect();
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let mut out = [0f32; 8];
+            A::scaled_dots8(&a, &b, 64, stride, 0.125, &mut out);
+            for (p, o) in out.iter().enumerate() {
+                let row = &b[64 + p * stride..][..n];
+                assert_eq!(
+                    o.to_bits(),
+                    (A::dots(&a, [row])[0] * 0.125).to_bits(),
+                    "row {p}"
+                );
+            }
+        }
+        #[inline(never)]
+        fn plain() {
+            check::<Plain>()
+        }
+        plain();
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn fused_check() {
+                check::<Fused>()
+            }
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn wide_check() {
+                check::<Wide>()
+            }
+            // SAFETY: each runs only where its features were detected.
+            unsafe {
+                if avx2_fma() {
+                    fused_check();
+                }
+                if avx512() {
+                    wide_check();
+                }
+            }
         }
     }
 
