@@ -666,6 +666,16 @@ macro_rules! x86_path {
                 unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p as *const i8) }
             }
 
+            /// Asks for the scales (and mins) of a row group's block at parameter index `p`:
+            /// one cache line each.
+            #[inline(always)]
+            fn params_ahead<const HINT: i32, const MINS: bool>(m: &QuantMatrix, p: usize) {
+                prefetch::<HINT>(m.scales.as_ptr().wrapping_add(p) as *const u8);
+                if MINS {
+                    prefetch::<HINT>(m.mins.as_ptr().wrapping_add(p) as *const u8);
+                }
+            }
+
             /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
             /// (`[activation row]`).
             #[derive(Clone, Copy)]
@@ -792,9 +802,14 @@ macro_rules! x86_path {
                 let chains = if T == 1 { 2 } else { 1 };
                 for s in 0..m.blocks {
                     if i0 == 0 {
-                        // The first pass streams the weights from memory: ask for them a few
-                        // blocks ahead so the loads overlap the arithmetic.
+                        // The first pass streams the weights (and their scales and mins, a
+                        // stream of their own) from memory: ask for them a few blocks ahead so
+                        // the loads overlap the arithmetic.
                         for set in &sets {
+                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS>(
+                                m,
+                                set.p + (s + PREFETCH_BLOCKS) * ROWS,
+                            );
                             let ahead = set.w.wrapping_add((s + PREFETCH_BLOCKS) * pb);
                             for line in (0..pb).step_by(64) {
                                 prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -806,9 +821,13 @@ macro_rules! x86_path {
                         // The last of several passes reads the weights from L1: meanwhile
                         // stream the next sets' into L2, so that memory never waits for
                         // the arithmetic (their first pass then starts from L2).
-                        let next = if LANES == ROWS { S } else { 1 } * m.blocks * pb;
+                        let groups = if LANES == ROWS { S } else { 1 };
                         for set in &sets {
-                            let ahead = set.w.wrapping_add(next + s * pb);
+                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS>(
+                                m,
+                                set.p + (groups * m.blocks + s) * ROWS,
+                            );
+                            let ahead = set.w.wrapping_add(groups * m.blocks * pb + s * pb);
                             for line in (0..pb).step_by(64) {
                                 prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
                                     ahead.wrapping_add(line),
