@@ -155,6 +155,69 @@ impl Arith for Fused {
     }
 }
 
+/// [`exp_nonpositive`] and [`exp_shifted_sum_lanes`] in intrinsics of one register width,
+/// operation for operation (the compiler vectorised the lane code only four wide): one body for
+/// the 256-bit and the 512-bit compilation, given their intrinsics.
+#[cfg(target_arch = "x86_64")]
+macro_rules! softmax_exp {
+    (features: $features:literal, arith: $arith:ty, lanes: $lanes:literal, float: $f:ty,
+     set1: $set1:ident, set1_i: $set1_i:ident, zero: $zero:ident,
+     load: $load:ident, store: $store:ident, add: $add:ident, sub: $sub:ident,
+     mul: $mul:ident, fmadd: $fmadd:ident, max: $max:ident,
+     to_bits: $to_bits:ident, from_bits: $from_bits:ident, add_i: $add_i:ident,
+     sub_i: $sub_i:ident, shift_left: $shl:ident,
+     below: |$bx:ident, $bf:ident| $below:expr,
+     zero_where: |$zm:ident, $zy:ident| $zero_where:expr,
+     sum: |$sv:ident| $sum:expr $(,)?) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn exp_nonpositive(x: $f) -> $f {
+            use super::{EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, ROUND};
+            let floor = $set1(-87.0);
+            let far_below = {
+                let ($bx, $bf) = (x, floor);
+                $below
+            };
+            let x = $max(x, floor);
+            let round = $set1(ROUND);
+            let shifted = $add($mul(x, $set1(LOG2E)), round);
+            let n = $sub(shifted, round);
+            let n_int = $sub_i($to_bits(shifted), $set1_i(ROUND.to_bits() as i32));
+            let r = $fmadd(n, $set1(-LN2_HI), x);
+            let r = $fmadd(n, $set1(-LN2_LO), r);
+            let mut p = $set1(EXP_TAYLOR[0]);
+            for &c in &EXP_TAYLOR[1..] {
+                p = $fmadd(p, r, $set1(c));
+            }
+            let scale = $shl::<23>($add_i(n_int, $set1_i(127)));
+            let ($zm, $zy) = (far_below, $mul(p, $from_bits(scale)));
+            $zero_where
+        }
+
+        /// [`super::exp_shifted_sum_lanes`] with [`exp_nonpositive`].
+        #[inline]
+        #[target_feature(enable = $features)]
+        pub unsafe fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
+            let m = $set1(max);
+            let mut sum = $zero();
+            let chunks = s.len() / $lanes;
+            for c in 0..chunks {
+                let p = s.as_mut_ptr().add($lanes * c);
+                let e = exp_nonpositive($sub($load(p), m));
+                $store(p, e);
+                sum = $add(sum, e);
+            }
+            let mut tail = 0f32;
+            for x in &mut s[chunks * $lanes..] {
+                *x = super::exp_nonpositive::<$arith>(*x - max);
+                tail += *x;
+            }
+            let $sv = sum;
+            $sum + tail
+        }
+    };
+}
+
 /// [`Fused`] with the intrinsic loops on 512-bit registers: twice the multiply-adds per
 /// instruction where the CPU executes them at full width. Only used inside functions compiled
 /// with `avx512f` (see `dispatch`). Its dot products sum in 16 lanes, so its bits differ from
@@ -298,50 +361,16 @@ mod wide {
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
     }
 
-    /// [`super::exp_nonpositive`] on 16 lanes, operation for operation.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn exp_nonpositive(x: __m512) -> __m512 {
-        use super::{EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, ROUND};
-        let floor = _mm512_set1_ps(-87.0);
-        let far_below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor);
-        let x = _mm512_max_ps(x, floor);
-        let round = _mm512_set1_ps(ROUND);
-        let shifted = _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), round);
-        let n = _mm512_sub_ps(shifted, round);
-        let n_int = _mm512_sub_epi32(
-            _mm512_castps_si512(shifted),
-            _mm512_set1_epi32(ROUND.to_bits() as i32),
-        );
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-        let r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-        let mut p = _mm512_set1_ps(EXP_TAYLOR[0]);
-        for &c in &EXP_TAYLOR[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(n_int, _mm512_set1_epi32(127)));
-        let y = _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
-        _mm512_maskz_mov_ps(!far_below, y)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
-        let m = _mm512_set1_ps(max);
-        let mut sum = _mm512_setzero_ps();
-        let chunks = s.len() / 16;
-        for c in 0..chunks {
-            let p = s.as_mut_ptr().add(16 * c);
-            let e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p), m));
-            _mm512_storeu_ps(p, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        let mut tail = 0f32;
-        for x in &mut s[chunks * 16..] {
-            *x = super::exp_nonpositive::<super::Wide>(*x - max);
-            tail += *x;
-        }
-        fused::hsum8(fold(sum)) + tail
+    softmax_exp! {
+        features: "avx512f,avx2,fma", arith: super::Wide, lanes: 16, float: __m512,
+        set1: _mm512_set1_ps, set1_i: _mm512_set1_epi32, zero: _mm512_setzero_ps,
+        load: _mm512_loadu_ps, store: _mm512_storeu_ps, add: _mm512_add_ps, sub: _mm512_sub_ps,
+        mul: _mm512_mul_ps, fmadd: _mm512_fmadd_ps, max: _mm512_max_ps,
+        to_bits: _mm512_castps_si512, from_bits: _mm512_castsi512_ps, add_i: _mm512_add_epi32,
+        sub_i: _mm512_sub_epi32, shift_left: _mm512_slli_epi32,
+        below: |x, floor| _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor),
+        zero_where: |below, y| _mm512_maskz_mov_ps(!below, y),
+        sum: |v| fused::hsum8(fold(v)),
     }
 
     /// `D` is a multiple of 16, at most 64, and `R` rows' accumulators fit the registers: each
@@ -493,52 +522,16 @@ mod fused {
         _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
     }
 
-    /// [`super::exp_nonpositive`] on eight lanes, operation for operation (the compiler
-    /// vectorised the lane code only four wide).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn exp_nonpositive(x: __m256) -> __m256 {
-        use super::{EXP_TAYLOR, LN2_HI, LN2_LO, LOG2E, ROUND};
-        let floor = _mm256_set1_ps(-87.0);
-        let far_below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor);
-        let x = _mm256_max_ps(x, floor);
-        let round = _mm256_set1_ps(ROUND);
-        let shifted = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round);
-        let n = _mm256_sub_ps(shifted, round);
-        let n_int = _mm256_sub_epi32(
-            _mm256_castps_si256(shifted),
-            _mm256_set1_epi32(ROUND.to_bits() as i32),
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-        let mut p = _mm256_set1_ps(EXP_TAYLOR[0]);
-        for &c in &EXP_TAYLOR[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)));
-        let y = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-        _mm256_andnot_ps(far_below, y)
-    }
-
-    /// [`super::exp_shifted_sum_lanes`] with [`exp_nonpositive`].
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp_shifted_sum(s: &mut [f32], max: f32) -> f32 {
-        let m = _mm256_set1_ps(max);
-        let mut sum = _mm256_setzero_ps();
-        let chunks = s.len() / 8;
-        for c in 0..chunks {
-            let p = s.as_mut_ptr().add(8 * c);
-            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p), m));
-            _mm256_storeu_ps(p, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        let mut tail = 0f32;
-        for x in &mut s[chunks * 8..] {
-            *x = super::exp_nonpositive::<super::Fused>(*x - max);
-            tail += *x;
-        }
-        hsum8(sum) + tail
+    softmax_exp! {
+        features: "avx2,fma", arith: super::Fused, lanes: 8, float: __m256,
+        set1: _mm256_set1_ps, set1_i: _mm256_set1_epi32, zero: _mm256_setzero_ps,
+        load: _mm256_loadu_ps, store: _mm256_storeu_ps, add: _mm256_add_ps, sub: _mm256_sub_ps,
+        mul: _mm256_mul_ps, fmadd: _mm256_fmadd_ps, max: _mm256_max_ps,
+        to_bits: _mm256_castps_si256, from_bits: _mm256_castsi256_ps, add_i: _mm256_add_epi32,
+        sub_i: _mm256_sub_epi32, shift_left: _mm256_slli_epi32,
+        below: |x, floor| _mm256_cmp_ps::<_CMP_LT_OQ>(x, floor),
+        zero_where: |below, y| _mm256_andnot_ps(below, y),
+        sum: |v| hsum8(v),
     }
 
     /// [`super::quantize_lanes`] in intrinsics, one block of 32 at a time (the compilers
