@@ -218,11 +218,13 @@ fn prefix_scores<A: Arith>(
     scores: &SyncPtr,
 ) {
     let hd = a.shape.head_dim;
-    let k_row = |pos: usize| a.at(a.k, pos, kh, 0, hd);
-    let k_ahead = |pos: usize| {
-        let at = (pos * a.shape.n_kv_heads + kh) * hd;
-        prefetch_lines::<A>(a.k.as_ptr().wrapping_add(at), hd)
-    };
+    // Where kv head kh's K row of a position starts; consecutive positions are `stride` apart.
+    let (k_at, stride) = (
+        |pos: usize| (pos * a.shape.n_kv_heads + kh) * hd,
+        a.shape.n_kv_heads * hd,
+    );
+    let k_row = |pos: usize| &a.k[k_at(pos)..][..hd];
+    let k_ahead = |pos: usize| prefetch_lines::<A>(a.k.as_ptr().wrapping_add(k_at(pos)), hd);
     for pos in positions.start..positions.start + PREFETCH_AHEAD {
         k_ahead(pos);
     }
@@ -244,15 +246,7 @@ fn prefix_scores<A: Arith>(
                 let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
                 // A block and single positions give the same bits (see `Arith::dots`).
                 if len == SCORE_BLOCK {
-                    let stride = a.shape.n_kv_heads * hd;
-                    A::scaled_dots8(
-                        q,
-                        a.k,
-                        (pos * a.shape.n_kv_heads + kh) * hd,
-                        stride,
-                        a.scale,
-                        dst,
-                    );
+                    A::scaled_dots8(q, a.k, k_at(pos), stride, a.scale, dst);
                 } else {
                     for (p, d) in dst.iter_mut().enumerate() {
                         *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;
