@@ -33,8 +33,12 @@ pub fn held_out(prompt: &str) -> bool {
     Sha256::digest(prompt.as_bytes())[0] < 13
 }
 
-/// The first human turn of every whole conversation in the (truncated) file, deduplicated, with
-/// 16..=`max_chars` characters.
+/// Human turns with 16..=`max_chars` characters, deduplicated: first the first turn of every
+/// whole conversation in the (truncated) file, then the later turns. Later turns are asked
+/// without the conversation before them; many then read as requests about an unseen text
+/// ("shorten it"), but the teacher's answers to them are still its own distribution, and they
+/// triple the prompts. First turns first keeps a run's first N prompts (and the held-out
+/// prompts, chosen from the front) the same as before later turns were read.
 pub fn prompts(cache: &Path, max_chars: usize) -> Result<Vec<String>> {
     let path = fetch::ensure(&SHAREGPT, cache).context("fetching ShareGPT")?;
     let bytes = std::fs::read(&path)?;
@@ -45,7 +49,13 @@ pub fn prompts(cache: &Path, max_chars: usize) -> Result<Vec<String>> {
         .context("not a JSON array")?
         + 1;
     let mut seen = std::collections::HashSet::new();
-    let mut out = Vec::new();
+    let (mut out, mut later) = (Vec::new(), Vec::new());
+    let mut keep = |text: &str, to: &mut Vec<String>| {
+        let p = text.trim();
+        if (16..=max_chars).contains(&p.chars().count()) && seen.insert(p.to_owned()) {
+            to.push(p.to_owned());
+        }
+    };
     loop {
         while pos < bytes.len() && (bytes[pos].is_ascii_whitespace() || bytes[pos] == b',') {
             pos += 1;
@@ -54,12 +64,14 @@ pub fn prompts(cache: &Path, max_chars: usize) -> Result<Vec<String>> {
             serde_json::Deserializer::from_slice(&bytes[pos..]).into_iter::<Conversation>();
         let Some(Ok(conv)) = stream.next() else { break };
         pos += stream.byte_offset();
-        if let Some(t) = conv.conversations.iter().find(|t| t.from == "human") {
-            let p = t.value.trim();
-            if (16..=max_chars).contains(&p.chars().count()) && seen.insert(p.to_owned()) {
-                out.push(p.to_owned());
-            }
+        let mut human = conv.conversations.iter().filter(|t| t.from == "human");
+        if let Some(t) = human.next() {
+            keep(&t.value, &mut out);
         }
+        human.for_each(|t| later.push(t.value.clone()));
+    }
+    for t in later {
+        keep(&t, &mut out);
     }
     Ok(out)
 }
