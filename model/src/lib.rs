@@ -17,6 +17,7 @@ mod tree_model;
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use kv::KvCache;
 pub use llama::{Llama, Logits, SeqTree};
+pub use load::quantize_rows_u8;
 pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};
 pub use tree_model::TreeModel;
 

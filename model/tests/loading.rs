@@ -35,6 +35,20 @@ fn safetensors_bf16_checkpoint_loads_and_matches() {
         .map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap()))
         .collect();
     candle_core::safetensors::save(&bf16, dir.join("model.safetensors")).unwrap();
+    write_config(&dir);
+    let loaded = Llama::from_safetensors(&dir).unwrap();
+    assert_eq!(loaded.config(), &cfg());
+    let d = max_diff_to_f32_weights(&loaded);
+    // bf16 keeps 8 bits of mantissa: logits move, but only by rounding.
+    assert!(
+        d > 0.0 && d < 0.5,
+        "bf16 checkpoint vs f32 weights: max diff {d}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The tiny model's config.json (what [`cfg`] describes).
+fn write_config(dir: &std::path::Path) {
     std::fs::write(
         dir.join("config.json"),
         r#"{"model_type": "qwen2", "vocab_size": 101, "hidden_size": 64, "intermediate_size": 96,
@@ -43,20 +57,63 @@ fn safetensors_bf16_checkpoint_loads_and_matches() {
             "tie_word_embeddings": false}"#,
     )
     .unwrap();
-    let loaded = Llama::from_safetensors(&dir).unwrap();
-    assert_eq!(loaded.config(), &cfg());
+}
+
+/// Largest logit difference between `m` and the f32 random model it was saved from.
+fn max_diff_to_f32_weights(m: &Llama) -> f32 {
     let f32_again = Llama::random(cfg(), 7, None).unwrap();
-    let (a, b) = (logits(&loaded), logits(&f32_again));
-    let d = a
-        .iter()
+    let (a, b) = (logits(m), logits(&f32_again));
+    a.iter()
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    // bf16 keeps 8 bits of mantissa: logits move, but only by rounding.
-    assert!(
-        d > 0.0 && d < 0.5,
-        "bf16 checkpoint vs f32 weights: max diff {d}"
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn u8_embedding_rows_round_within_half_a_step_and_load() {
+    let dir = tmp("u8");
+    let mut weights = Llama::random_weights(&cfg(), 7);
+    let name = "model.embed_tokens.weight";
+    let embed = weights.remove(name).unwrap();
+    let (q, scale) = specinfer_model::quantize_rows_u8(&embed).unwrap();
+    assert_eq!(q.dtype(), DType::U8);
+    let (x, q, s) = (
+        embed.to_vec2::<f32>().unwrap(),
+        q.to_vec2::<u8>().unwrap(),
+        scale.to_vec1::<f32>().unwrap(),
     );
+    for r in 0..x.len() {
+        let max = x[r].iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!((s[r] - max / 127.0).abs() <= 1e-6 * max, "row {r} scale");
+        for c in 0..x[r].len() {
+            let back = (f32::from(q[r][c]) - 128.0) * s[r];
+            assert!(
+                (back - x[r][c]).abs() <= s[r] * 0.5 + 1e-6,
+                "row {r} col {c}"
+            );
+        }
+    }
+    // A u8 tensor without its scale is refused by name.
+    let path = dir.join("model.safetensors");
+    let mut without_scale = weights.clone();
+    without_scale.insert(
+        name.into(),
+        Tensor::new(q.clone(), &candle_core::Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&without_scale, &path).unwrap();
+    write_config(&dir);
+    let Err(err) = Llama::from_safetensors(&dir) else {
+        panic!("a u8 tensor without its scale loaded")
+    };
+    let err = err.to_string();
+    assert!(err.contains("model.embed_tokens.weight_scale"), "{err}");
+    // With it, the model loads and its logits move only by the rounding.
+    let (q, scale) = specinfer_model::quantize_rows_u8(&embed).unwrap();
+    weights.insert(name.into(), q);
+    weights.insert(format!("{name}_scale"), scale);
+    candle_core::safetensors::save(&weights, &path).unwrap();
+    let d = max_diff_to_f32_weights(&Llama::from_safetensors(&dir).unwrap());
+    assert!(d > 0.0 && d < 0.1, "u8 embedding vs f32: max diff {d}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -27,6 +27,8 @@ pub struct SsmConfig {
 
 /// The head's token ids in exports and checkpoints.
 const HEAD_IDS: &str = "lm_head.token_ids";
+/// The input embedding: exported as 8-bit rows (at f16 it would be four fifths of the file).
+const EMBED: &str = "model.embed_tokens.weight";
 
 pub struct Ssm {
     pub cfg: SsmConfig,
@@ -91,11 +93,7 @@ impl Ssm {
             ));
             Ok(())
         };
-        add(
-            "model.embed_tokens.weight".into(),
-            embed,
-            &[cfg.vocab_size, d],
-        )?;
+        add(EMBED.into(), embed, &[cfg.vocab_size, d])?;
         let std = 0.02;
         for i in 0..cfg.n_layers {
             let p = format!("model.layers.{i}");
@@ -161,7 +159,7 @@ impl Ssm {
         let hd = d / h;
         let dev = ids.device();
         let mut x = self
-            .get("model.embed_tokens.weight")
+            .get(EMBED)
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, l, d))?;
         // RoPE tables [l, hd]: cos/sin of position * theta^(-2i/hd), the half repeated twice.
@@ -221,14 +219,21 @@ impl Ssm {
         linear(&x, self.get("lm_head.weight"))
     }
 
-    /// Writes `model.safetensors` (f16 weights, `lm_head.token_ids`) and `config.json`, which
+    /// Writes `model.safetensors` (f16 weights, the input embedding in 8-bit rows,
+    /// `lm_head.token_ids`) and `config.json`, which
     /// records the SHA-256 of the tokenizer the token ids belong to (so the folder needs no
     /// tokenizer.json of its own to be checked against an LLM).
     pub fn export(&self, dir: &Path, tokenizer_sha256: &[u8; 32]) -> Result<()> {
         std::fs::create_dir_all(dir)?;
         let mut tensors: HashMap<String, Tensor> = HashMap::new();
         for (name, v) in &self.vars {
-            tensors.insert(name.clone(), v.as_tensor().to_dtype(DType::F16)?);
+            if name == EMBED {
+                let (q, scale) = specinfer_model::quantize_rows_u8(v.as_tensor())?;
+                tensors.insert(format!("{name}_scale"), scale);
+                tensors.insert(name.clone(), q);
+            } else {
+                tensors.insert(name.clone(), v.as_tensor().to_dtype(DType::F16)?);
+            }
         }
         tensors.insert(
             HEAD_IDS.into(),
