@@ -52,7 +52,8 @@ struct ModelArgs {
     heads: usize,
     #[arg(long, default_value_t = 384)]
     ffn: usize,
-    /// Tokens the SSM's head covers (the most frequent in the teacher's answers).
+    /// Tokens the SSM's head covers (the most frequent in the teacher's answers). Resuming with
+    /// a larger value grows a checkpoint's head (its rows kept, new tokens after them).
     #[arg(long, default_value_t = 4096)]
     head_tokens: usize,
     /// Seed of the initialisation and of the batch order.

@@ -27,6 +27,9 @@ pub struct SsmConfig {
 
 /// The head's token ids in exports and checkpoints.
 const HEAD_IDS: &str = "lm_head.token_ids";
+/// The output head over the restricted support.
+const HEAD: &str = "lm_head.weight";
+
 /// The input embedding: exported as 8-bit rows (at f16 it would be four fifths of the file).
 const EMBED: &str = "model.embed_tokens.weight";
 
@@ -128,7 +131,7 @@ impl Ssm {
         }
         add("model.norm.weight".into(), vec![1.0; d], &[d])?;
         add(
-            "lm_head.weight".into(),
+            HEAD.into(),
             normal(head_ids.len() * d, std),
             &[head_ids.len(), d],
         )?;
@@ -216,7 +219,7 @@ impl Ssm {
             x = (x + linear(&act, self.get(&format!("{p}.mlp.down_proj.weight")))?)?;
         }
         let x = rms_norm(&x, self.get("model.norm.weight"), cfg.rms_eps)?;
-        linear(&x, self.get("lm_head.weight"))
+        linear(&x, self.get(HEAD))
     }
 
     /// Writes `model.safetensors` (f16 weights, the input embedding in 8-bit rows,
@@ -281,20 +284,40 @@ impl Ssm {
         Ok(())
     }
 
+    ///
+    /// A run may ask for a larger head than the checkpoint's: the saved rows keep their tokens,
+    /// and the run's most frequent tokens not among them follow, each row starting as the mean
+    /// of the saved rows (a logit typical of the trained tokens, neither favoured nor ruled out).
     pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = candle_core::safetensors::load(path, &Device::Cpu)?;
         if let Some(ids) = t.get(HEAD_IDS) {
-            let ids = ids.to_vec1::<u32>()?;
+            let mut ids = ids.to_vec1::<u32>()?;
+            let size = self.head_ids.len();
             anyhow::ensure!(
-                ids.len() == self.head_ids.len(),
-                "checkpoint head has {} tokens, this run {}",
+                ids.len() <= size,
+                "checkpoint head has {} tokens, this run {} (a head can grow on resume, not shrink)",
                 ids.len(),
-                self.head_ids.len()
+                size
             );
+            let saved: std::collections::HashSet<u32> = ids.iter().copied().collect();
+            let new: Vec<u32> = self
+                .head_ids
+                .iter()
+                .copied()
+                .filter(|t| !saved.contains(t))
+                .take(size - ids.len())
+                .collect();
+            ids.extend(new);
             self.head_ids = ids;
         }
         for (n, v) in &self.vars {
-            if let Some(saved) = t.get(n) {
+            let Some(saved) = t.get(n) else { continue };
+            let (rows, want) = (saved.dim(0)?, v.dim(0)?);
+            if n == HEAD && rows < want {
+                let mean = saved.mean_keepdim(0)?;
+                let grown = Tensor::cat(&[saved, &mean.repeat((want - rows, 1))?], 0)?;
+                v.set(&grown)?;
+            } else {
                 v.set(saved)?;
             }
         }

@@ -90,7 +90,7 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
     other_head.reverse();
     let mut resumed = Ssm::init(
         ssm.cfg.clone(),
-        other_head,
+        other_head.clone(),
         teacher.token_embeddings(),
         64,
         4,
@@ -99,20 +99,44 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
     resumed.load_checkpoint(&checkpoint).unwrap();
     assert_eq!(resumed.head_ids, ssm.head_ids);
 
-    ssm.export(&dir.join("ssm"), &[0; 32]).unwrap();
-    let exported = Llama::from_safetensors(&dir.join("ssm")).unwrap();
     let seq: Vec<u32> = vec![4, 8, 15, 16, 23, 42];
     let ids = Tensor::new(seq.as_slice(), &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let train_logits = ssm
-        .forward(&ids)
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
+    let logits_of = |m: &Ssm| {
+        m.forward(&ids)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let train_logits = logits_of(&ssm);
+
+    // A run with a larger head grows the checkpoint's: its rows keep their tokens and logits,
+    // and each new token's logit starts at the mean of the trained ones.
+    let n = ssm.head_ids.len();
+    let extra: Vec<u32> = (0..101u32)
+        .filter(|t| !ssm.head_ids.contains(t))
+        .take(10)
+        .collect();
+    let mut bigger = extra.clone();
+    bigger.extend(&other_head);
+    let mut grown = Ssm::init(ssm.cfg.clone(), bigger, teacher.token_embeddings(), 64, 5).unwrap();
+    grown.load_checkpoint(&checkpoint).unwrap();
+    assert_eq!(grown.head_ids[..n], ssm.head_ids[..]);
+    assert_eq!(grown.head_ids[n..], extra[..]);
+    for (g, t) in logits_of(&grown).iter().zip(&train_logits) {
+        let mean = t.iter().sum::<f32>() / n as f32;
+        for (h, &x) in g.iter().enumerate() {
+            let want = t.get(h).copied().unwrap_or(mean);
+            assert!((x - want).abs() < 1e-4, "grown head row {h}: {x} vs {want}");
+        }
+    }
+
+    ssm.export(&dir.join("ssm"), &[0; 32]).unwrap();
+    let exported = Llama::from_safetensors(&dir.join("ssm")).unwrap();
     let mut kv = KvCache::new(exported.config());
     let out = exported
         .forward(&mut [SeqTree::new(&mut kv, &TokenTree::chain(&seq))])
@@ -128,7 +152,7 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
         assert_eq!(out.node(p)[outside as usize], f32::NEG_INFINITY);
     }
     println!("export vs training graph: max abs logit diff {worst}");
-    // The export stores f16 weights: differences of a few 1e-3 are rounding, not a wrong graph.
+    // The export stores f16 weights (the embedding 8-bit rows): differences of a few 1e-3 are rounding, not a wrong graph.
     assert!(
         worst < 0.05,
         "exported model disagrees with the training graph: {worst}"
