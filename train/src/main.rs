@@ -229,11 +229,17 @@ fn run(a: RunArgs) -> Result<()> {
         a.out.join("eval.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
+    let loss = match (curve.first(), curve.last()) {
+        (Some(first), Some(last)) => {
+            format!("Loss (mean of each 25 steps): first {first:.3}, last {last:.3}. ")
+        }
+        _ => String::new(),
+    };
     let md = format!(
         "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy answers).\n\n\
          | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n| LLM token (sampled, T = {}) in SSM top-k | {} |\n\n\
          Greedy speculation with the paper's tree <1,1,3,1,1,1,1,1> on {} held-out prompts x 64 tokens: tau = {:.2} tokens per LLM pass.\n\n\
-         SSM compute per token: {:.4} of the LLM's. Loss (mean of each 25 steps): first {:.3}, last {:.3}. ONNX export vs candle: max logit difference {:.1e}. Pipeline time: {:.1} min.\n",
+         SSM compute per token: {:.4} of the LLM's. {loss}ONNX export vs candle: max logit difference {:.1e}. Pipeline time: {:.1} min.\n",
         report.examples,
         report.positions,
         percent_row(&report.top_k_greedy),
@@ -242,8 +248,6 @@ fn run(a: RunArgs) -> Result<()> {
         report.tau_prompts,
         report.tau_paper_tree,
         per_token,
-        curve.first().copied().unwrap_or(f32::NAN),
-        curve.last().copied().unwrap_or(f32::NAN),
         onnx_diff,
         t0.elapsed().as_secs_f64() / 60.0
     );
