@@ -627,34 +627,26 @@ mod fused {
 }
 
 /// Whether the `avx2,fma` compilation may run here (`SPECINFER_NO_SIMD` turns it off).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            std::env::var_os("SPECINFER_NO_SIMD").is_none()
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var_os("SPECINFER_NO_SIMD").is_none()
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+    })
 }
 
 /// Whether the 512-bit compilation may run here (`SPECINFER_NO_AVX512` or `SPECINFER_NO_SIMD`
 /// turn it off).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            avx2_fma()
-                && std::env::var_os("SPECINFER_NO_AVX512").is_none()
-                && is_x86_feature_detected!("avx512f")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        avx2_fma()
+            && std::env::var_os("SPECINFER_NO_AVX512").is_none()
+            && is_x86_feature_detected!("avx512f")
+    })
 }
 
 /// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX-512
