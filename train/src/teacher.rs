@@ -53,6 +53,24 @@ pub fn read_examples(path: &Path) -> Result<Vec<Example>> {
         .collect()
 }
 
+/// Cuts an answer file back to its last whole line: a run killed while writing leaves half a
+/// line, which would otherwise stop every resumption at parsing it.
+fn drop_partial_last_line(path: &Path) -> Result<()> {
+    let bytes = std::fs::read(path)?;
+    if bytes.last().is_some_and(|&b| b != b'\n') {
+        let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)?
+            .set_len(keep as u64)?;
+        eprintln!(
+            "teacher: dropped a partly written answer at the end of {}",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 /// Appends the teacher's answers for `prompts` to `out` (JSONL), skipping the prompts already
 /// answered there: an interrupted run resumes where it stopped.
 pub fn generate(
@@ -64,6 +82,7 @@ pub fn generate(
     out: &Path,
 ) -> Result<()> {
     let done = if out.exists() {
+        drop_partial_last_line(out)?;
         read_examples(out)?.len()
     } else {
         0
@@ -147,4 +166,23 @@ pub fn generate(
     }
     eprintln!();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_partly_written_last_answer_is_dropped_and_whole_ones_kept() {
+        let path = std::env::temp_dir().join(format!("specinfer-teacher-{}", std::process::id()));
+        for (written, kept) in [
+            ("{\"a\":1}\n{\"a\":2}\n{\"a\"", "{\"a\":1}\n{\"a\":2}\n"),
+            ("{\"a\":1}\n", "{\"a\":1}\n"),
+            ("{\"a", ""),
+            ("", ""),
+        ] {
+            std::fs::write(&path, written).unwrap();
+            super::drop_partial_last_line(&path).unwrap();
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), kept);
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
 }
