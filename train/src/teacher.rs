@@ -53,12 +53,13 @@ pub fn read_examples(path: &Path) -> Result<Vec<Example>> {
         .collect()
 }
 
-/// Cuts an answer file back to its last whole line: a run killed while writing leaves half a
-/// line, which would otherwise stop every resumption at parsing it.
-fn drop_partial_last_line(path: &Path) -> Result<()> {
+/// Cuts an answer file back to its last whole line (a run killed while writing leaves half a
+/// line, which would otherwise stop every resumption at parsing it) and returns how many whole
+/// lines, one answer each, it holds.
+fn drop_partial_last_line(path: &Path) -> Result<usize> {
     let bytes = std::fs::read(path)?;
-    if bytes.last().is_some_and(|&b| b != b'\n') {
-        let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    if keep < bytes.len() {
         std::fs::OpenOptions::new()
             .write(true)
             .open(path)?
@@ -68,7 +69,7 @@ fn drop_partial_last_line(path: &Path) -> Result<()> {
             path.display()
         );
     }
-    Ok(())
+    Ok(bytes[..keep].iter().filter(|&&b| b == b'\n').count())
 }
 
 /// Appends the teacher's answers for `prompts` to `out` (JSONL), skipping the prompts already
@@ -82,8 +83,7 @@ pub fn generate(
     out: &Path,
 ) -> Result<()> {
     let done = if out.exists() {
-        drop_partial_last_line(out)?;
-        read_examples(out)?.len()
+        drop_partial_last_line(out)?
     } else {
         0
     };
