@@ -4,7 +4,9 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::{normalise, sample};
-use specinfer_verifier::verify::{verify_greedy, verify_naive_sampling, verify_stochastic};
+use specinfer_verifier::verify::{
+    verify_greedy, verify_naive_sampling, verify_stochastic, Verdict,
+};
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
@@ -80,10 +82,6 @@ fn star(q: &SparseDist, k: usize, mode: DrawMode, rng: &mut impl Rng) -> TokenTr
         .unwrap()
 }
 
-fn first_token(tree: &TokenTree, v: &specinfer_verifier::verify::Verdict) -> u32 {
-    v.tokens(tree)[0]
-}
-
 fn cases() -> Vec<(&'static str, SparseDist, usize)> {
     vec![
         (
@@ -129,28 +127,51 @@ fn expected() -> Vec<f64> {
     P.iter().map(|&x| x as f64).collect()
 }
 
-#[test]
-fn multi_step_speculative_sampling_follows_p() {
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+/// The LLM's distribution at the root is `P`, at every other node uniform.
+fn llm(n: usize) -> Vec<f32> {
+    if n == 0 {
+        P.to_vec()
+    } else {
+        uniform(n)
+    }
+}
+
+/// Runs `verify` on `DRAWS` star trees drawn with `mode` for each case and asserts that the first
+/// emitted token follows `P`; returns, per case, how many trees held a duplicate draw.
+fn assert_first_token_follows_p(
+    method: &str,
+    seed: u64,
+    mode: DrawMode,
+    verify: impl Fn(&TokenTree, &mut ChaCha8Rng) -> Verdict,
+) -> Vec<(&'static str, u32)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut duplicates = Vec::new();
     for (name, q, k) in cases() {
         let mut counts = [0u64; 8];
         let mut duplicate_trees = 0;
         for _ in 0..DRAWS {
-            let tree = star(&q, k, DrawMode::Iid, &mut rng);
+            let tree = star(&q, k, mode, &mut rng);
             duplicate_trees += (tree.tokens()[1] == tree.tokens()[2]) as u32;
-            let v = verify_stochastic(
-                &tree,
-                |n| if n == 0 { P.to_vec() } else { uniform(n) },
-                &mut rng,
-            );
-            counts[first_token(&tree, &v) as usize] += 1;
+            let v = verify(&tree, &mut rng);
+            counts[v.tokens(&tree)[0] as usize] += 1;
         }
         let pv = chi_square_p(&counts, &expected());
-        println!("MSS, {name}: p-value {pv:.4}, {duplicate_trees} trees with duplicate draws");
+        println!("{method}, {name}: p-value {pv:.4}, {duplicate_trees} trees with duplicate draws");
         assert!(
             pv > 1e-3,
-            "MSS is not lossless for {name}: p-value {pv}, counts {counts:?}"
+            "{method} is not lossless for {name}: p-value {pv}, counts {counts:?}"
         );
+        duplicates.push((name, duplicate_trees));
+    }
+    duplicates
+}
+
+#[test]
+fn multi_step_speculative_sampling_follows_p() {
+    let duplicates = assert_first_token_follows_p("MSS", 1, DrawMode::Iid, |tree, rng| {
+        verify_stochastic(tree, llm, rng)
+    });
+    for (name, duplicate_trees) in duplicates {
         if name.contains("duplicate") {
             assert!(
                 duplicate_trees > DRAWS as u32 / 2,
@@ -162,48 +183,16 @@ fn multi_step_speculative_sampling_follows_p() {
 
 #[test]
 fn recursive_rejection_sampling_follows_p() {
-    let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for (name, q, k) in cases() {
-        let mut counts = [0u64; 8];
-        for _ in 0..DRAWS {
-            let tree = star(&q, k, DrawMode::WithoutReplacement, &mut rng);
-            let v = verify_stochastic(
-                &tree,
-                |n| if n == 0 { P.to_vec() } else { uniform(n) },
-                &mut rng,
-            );
-            counts[first_token(&tree, &v) as usize] += 1;
-        }
-        let pv = chi_square_p(&counts, &expected());
-        println!("RRS, {name}: p-value {pv:.4}");
-        assert!(
-            pv > 1e-3,
-            "RRS is not lossless for {name}: p-value {pv}, counts {counts:?}"
-        );
-    }
+    assert_first_token_follows_p("RRS", 2, DrawMode::WithoutReplacement, |tree, rng| {
+        verify_stochastic(tree, llm, rng)
+    });
 }
 
 #[test]
 fn naive_sampling_follows_p() {
-    let mut rng = ChaCha8Rng::seed_from_u64(3);
-    for (name, q, k) in cases() {
-        let mut counts = [0u64; 8];
-        for _ in 0..DRAWS {
-            let tree = star(&q, k, DrawMode::Iid, &mut rng);
-            let v = verify_naive_sampling(
-                &tree,
-                |n| if n == 0 { P.to_vec() } else { uniform(n) },
-                &mut rng,
-            );
-            counts[first_token(&tree, &v) as usize] += 1;
-        }
-        let pv = chi_square_p(&counts, &expected());
-        println!("naive, {name}: p-value {pv:.4}");
-        assert!(
-            pv > 1e-3,
-            "naive sampling is not lossless for {name}: p-value {pv}"
-        );
-    }
+    assert_first_token_follows_p("naive sampling", 3, DrawMode::Iid, |tree, rng| {
+        verify_naive_sampling(tree, llm, rng)
+    });
 }
 
 /// MSS on a depth-1 tree written out independently, with the residual left unnormalised between
@@ -378,20 +367,8 @@ fn mss_accepts_more_than_naive_sampling_on_the_same_trees() {
     let (mut mss, mut naive) = (0usize, 0usize);
     for _ in 0..DRAWS / 5 {
         let tree = star(&q, k, DrawMode::Iid, &mut rng);
-        mss += verify_stochastic(
-            &tree,
-            |n| if n == 0 { P.to_vec() } else { uniform(n) },
-            &mut rng,
-        )
-        .accepted
-        .len();
-        naive += verify_naive_sampling(
-            &tree,
-            |n| if n == 0 { P.to_vec() } else { uniform(n) },
-            &mut rng,
-        )
-        .accepted
-        .len();
+        mss += verify_stochastic(&tree, llm, &mut rng).accepted.len();
+        naive += verify_naive_sampling(&tree, llm, &mut rng).accepted.len();
     }
     let ratio = mss as f64 / naive as f64;
     println!(
