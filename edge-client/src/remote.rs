@@ -116,8 +116,23 @@ impl Remote {
             .await;
     }
 
-    async fn stream(&self) -> Result<(quinn::SendStream, quinn::RecvStream), RemoteError> {
-        Ok(self.conn.open_bi().await.map_err(NetError::from)?)
+    /// A session on a new stream, before its first message.
+    async fn session_stream(
+        &self,
+        session: u64,
+        resume_token: [u8; 16],
+    ) -> Result<RemoteSession, RemoteError> {
+        let (send, recv) = self.conn.open_bi().await.map_err(NetError::from)?;
+        Ok(RemoteSession {
+            send,
+            recv,
+            session,
+            round: 0,
+            resume_token,
+            limits: self.limits,
+            bytes_up: 0,
+            bytes_down: 0,
+        })
     }
 
     /// Opens a session; `prompt`'s last token roots the first tree.
@@ -127,17 +142,7 @@ impl Remote {
         prompt: Vec<u32>,
         params: SamplingParams,
     ) -> Result<RemoteSession, RemoteError> {
-        let (send, recv) = self.stream().await?;
-        let mut s = RemoteSession {
-            send,
-            recv,
-            session,
-            round: 0,
-            resume_token: [0; 16],
-            limits: self.limits,
-            bytes_up: 0,
-            bytes_down: 0,
-        };
+        let mut s = self.session_stream(session, [0; 16]).await?;
         match s
             .call(Message::OpenSession(OpenSession {
                 session,
@@ -160,17 +165,7 @@ impl Remote {
         session: u64,
         resume_token: [u8; 16],
     ) -> Result<(RemoteSession, Vec<u32>), RemoteError> {
-        let (send, recv) = self.stream().await?;
-        let mut s = RemoteSession {
-            send,
-            recv,
-            session,
-            round: 0,
-            resume_token,
-            limits: self.limits,
-            bytes_up: 0,
-            bytes_down: 0,
-        };
+        let mut s = self.session_stream(session, resume_token).await?;
         match s
             .call(Message::Resume {
                 session,
