@@ -210,12 +210,7 @@ fn run(a: RunArgs) -> Result<()> {
         EVAL_TEMPERATURE,
         &mut report,
     )?;
-    let tau_prompts: Vec<Vec<u32>> = heldout_ex
-        .iter()
-        .take(10)
-        .map(|e| e.prompt.clone())
-        .collect();
-    eval::tau(&llm, &[&exported], &tau_prompts, 64, &mut report)?;
+    eval::tau(&llm, &[&exported], &heldout_ex, 64, &mut report)?;
     let per_token = ssm_compute(&exported) as f64 / ssm_compute(&llm) as f64;
     let json = serde_json::json!({
         "report": report,
@@ -457,7 +452,6 @@ fn eval_ensemble(e: EvalArgs) -> Result<()> {
         .map(|p| Llama::from_safetensors(p).with_context(|| format!("loading {}", p.display())))
         .collect::<Result<_>>()?;
     let ssms: Vec<&Llama> = ssms.iter().collect();
-    let tau_prompts: Vec<Vec<u32>> = heldout.iter().take(10).map(|x| x.prompt.clone()).collect();
     let mut rows = Vec::new();
     let mut md = String::new();
     let mut configs: Vec<(String, Vec<&Llama>)> = e
@@ -473,7 +467,7 @@ fn eval_ensemble(e: EvalArgs) -> Result<()> {
         eprintln!("evaluating {name}");
         let mut report = eval::Report::default();
         eval::alignment(&llm, &members, &heldout, EVAL_TEMPERATURE, &mut report)?;
-        eval::tau(&llm, &members, &tau_prompts, 64, &mut report)?;
+        eval::tau(&llm, &members, &heldout, 64, &mut report)?;
         md += &format!(
             "| {name} | {} | {} | {:.2} |\n",
             percent_row(&report.top_k_greedy),
@@ -488,7 +482,7 @@ fn eval_ensemble(e: EvalArgs) -> Result<()> {
             "# SSM ensembles on {} held-out prompts\n\nTop-k: the LLM's next token within any member's top-k, greedy (teacher's token) | stochastic (probability of a T = {EVAL_TEMPERATURE} sample). tau: greedy, paper tree, trees merged across members, {} prompts x 64 tokens.\n\n\
              | SSMs | greedy top-1 | top-2 | top-3 | top-4 | top-5 | stochastic top-1 | top-2 | top-3 | top-4 | top-5 | tau |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
             heldout.len(),
-            tau_prompts.len()
+            heldout.len()
         )
     });
     all += &md;
