@@ -132,10 +132,18 @@ impl CudaLlama {
                 "no NVIDIA driver (libcuda.so) on this machine: use --device cpu",
             ));
         }
+        // SAFETY: as above, for cuBLAS (cudarc would panic at the first projection without it).
+        if !unsafe { specinfer_kernels::cuda::cudarc::cublas::sys::is_culib_present() } {
+            return Err(gpu_err(
+                "cuBLAS (libcublas.so or libcublas.so.12) cannot be loaded: install CUDA's cuBLAS \
+                 or the PyPI wheel nvidia-cublas-cu12 and put its folder on LD_LIBRARY_PATH",
+            ));
+        }
         let ctx = CudaContext::new(ordinal).map_err(gpu_err)?;
         let (major, minor) = ctx.compute_capability().map_err(gpu_err)?;
         let arch: &'static str = match (major, minor) {
-            (9, _) => "sm_90",
+            // PTX is forward compatible: newer GPUs JIT-compile the sm_90 code.
+            (m, _) if m >= 9 => "sm_90",
             (8, 9) => "sm_89",
             (8, 6) => "sm_86",
             (8, _) => "sm_80",
