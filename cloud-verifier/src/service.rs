@@ -319,7 +319,7 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
             None,
             "stream ended before ClientHello",
         )),
-        Err(NetError::Decode(e)) => Some(error(ErrorCode::BadFrame, None, e.to_string())),
+        Err(NetError::Decode(e)) => Some(error(e.error_code(), None, e.to_string())),
         Err(e) => return Err(e),
     };
     if let Some(refusal) = refusal {
@@ -368,7 +368,7 @@ where
                     .send(
                         &mut send,
                         &error(
-                            ErrorCode::BadFrame,
+                            e.error_code(),
                             bound.as_ref().map(|b| b.client_id),
                             e.to_string(),
                         ),

@@ -273,14 +273,15 @@ async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
     let (_ep, conn, hello) = raw_connect(&remote, API_KEY, tok.fingerprint()).await;
     assert!(matches!(hello, Message::ServerHello(_)), "{hello:?}");
 
-    // Random bytes in a frame of plausible size.
-    let mut junk = 40u32.to_le_bytes().to_vec();
+    // Random bytes after the version, in a frame of plausible size.
+    let mut junk = 42u32.to_le_bytes().to_vec();
+    junk.extend(PROTOCOL_VERSION.to_le_bytes());
     junk.extend((0..40u8).map(|i| i.wrapping_mul(97).wrapping_add(13)));
     assert_eq!(code(&exchange(&conn, &junk).await), ErrorCode::BadFrame);
     // A length prefix far over the limit: refused before any allocation.
     assert_eq!(
         code(&exchange(&conn, &u32::MAX.to_le_bytes()).await),
-        ErrorCode::BadFrame
+        ErrorCode::LimitExceeded
     );
     // A tree over the node limit.
     let big = TokenTree::chain(&vec![5u32; 300]);
@@ -289,7 +290,9 @@ async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
         round: 0,
         tree: big,
     }));
-    assert_eq!(code(&exchange(&conn, &frame).await), ErrorCode::BadFrame);
+    let reply = exchange(&conn, &frame).await;
+    assert_eq!(code(&reply), ErrorCode::LimitExceeded);
+    assert!(format!("{reply:?}").contains("limit is 256"), "{reply:?}");
     // A proposal that does not sum to 1 (built past the constructor's checks).
     let tree: TokenTree = serde_json::from_value(serde_json::json!({
         "tokens": [3, 4], "parents": [0],
@@ -408,7 +411,8 @@ async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(metrics.errors(ErrorCode::BadFrame) >= 5);
+    assert!(metrics.errors(ErrorCode::BadFrame) >= 3);
+    assert!(metrics.errors(ErrorCode::LimitExceeded) >= 2);
     server.shutdown().await;
 }
 

@@ -5,7 +5,7 @@
 
 use bincode::config::{self, Configuration, LittleEndian, Varint};
 
-use crate::{InvalidMessage, Limits, Message, PROTOCOL_VERSION};
+use crate::{ErrorCode, InvalidMessage, Limits, Message, TreeError, PROTOCOL_VERSION};
 
 /// Bytes of the length prefix.
 pub const FRAME_HEADER_BYTES: usize = 4;
@@ -34,6 +34,26 @@ pub enum DecodeError {
     TrailingBytes(usize),
     #[error("invalid message: {0}")]
     Invalid(#[from] InvalidMessage),
+}
+
+impl DecodeError {
+    /// The code a verifier answers with: a request over one of the [`Limits`] it announced is
+    /// `LimitExceeded` (the client may retry with a smaller one), a frame of another protocol
+    /// version `UnsupportedVersion`, anything else `BadFrame`.
+    pub fn error_code(&self) -> ErrorCode {
+        match self {
+            DecodeError::TooLarge { .. }
+            | DecodeError::Invalid(InvalidMessage::TooLong { .. })
+            | DecodeError::Invalid(InvalidMessage::Tree(TreeError::TooManyNodes { .. })) => {
+                ErrorCode::LimitExceeded
+            }
+            DecodeError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
+            DecodeError::Truncated { .. }
+            | DecodeError::Malformed(_)
+            | DecodeError::TrailingBytes(_)
+            | DecodeError::Invalid(_) => ErrorCode::BadFrame,
+        }
+    }
 }
 
 /// Encodes a whole frame, length prefix included.
@@ -131,6 +151,34 @@ mod tests {
             frame_len(u32::MAX.to_le_bytes(), &limits),
             Err(DecodeError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn requests_over_a_limit_are_told_apart_from_broken_frames() {
+        let limits = Limits::default();
+        let over = |msg: &Message| decode_frame(body(&encode_frame(msg)), &limits).unwrap_err();
+        let long_prompt = over(&Message::OpenSession(OpenSession {
+            session: 1,
+            prompt: vec![1; limits.max_prompt_tokens as usize + 1],
+            params: SamplingParams::greedy(8),
+        }));
+        assert_eq!(long_prompt.error_code(), ErrorCode::LimitExceeded);
+        let big_tree = over(&Message::Verify(Verify {
+            session: 1,
+            round: 0,
+            tree: TokenTree::chain(&vec![1; limits.max_tree_nodes as usize + 1]),
+        }));
+        assert_eq!(big_tree.error_code(), ErrorCode::LimitExceeded);
+        let too_large = frame_len(u32::MAX.to_le_bytes(), &limits).unwrap_err();
+        assert_eq!(too_large.error_code(), ErrorCode::LimitExceeded);
+        let mut v2 = encode_frame(&Message::Close { session: 3 });
+        v2[FRAME_HEADER_BYTES] = 2;
+        let v2 = decode_frame(body(&v2), &limits).unwrap_err();
+        assert_eq!(v2.error_code(), ErrorCode::UnsupportedVersion);
+        let mut trailing = encode_frame(&Message::Close { session: 3 });
+        trailing.push(0);
+        let trailing = decode_frame(body(&trailing), &limits).unwrap_err();
+        assert_eq!(trailing.error_code(), ErrorCode::BadFrame);
     }
 
     #[test]
