@@ -16,7 +16,7 @@ use specinfer_edge::{
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::net::Trust;
-use specinfer_wire::{DrawMode, SamplingParams, VerifyMode};
+use specinfer_wire::{DrawMode, Limits, SamplingParams, VerifyMode};
 
 mod openai;
 
@@ -557,17 +557,61 @@ fn chat(args: CommonArgs) -> Result<()> {
                 }
                 msg => history.push(ChatMessage::new("user", msg)),
             }
+            let budget = chat_prompt_budget(setup.params.max_new_tokens);
+            let forgotten = forget_oldest_exchanges(&mut history, |h| {
+                Ok(setup.prompt_ids(h, setup.raw)?.len() <= budget)
+            })?;
+            if forgotten > 0 {
+                eprintln!("(forgot the {forgotten} oldest messages to stay within the {CHAT_CONTEXT}-token context)");
+            }
             let ids = setup.prompt_ids(&history, setup.raw)?;
-            let (g, answer) = setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await?;
-            println!();
-            history.push(ChatMessage::new("assistant", &answer));
-            if stats {
-                eprintln!("{}", summary(&g));
+            match setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await {
+                Ok((g, answer)) => {
+                    println!();
+                    history.push(ChatMessage::new("assistant", &answer));
+                    if stats {
+                        eprintln!("{}", summary(&g));
+                    }
+                }
+                // One failed turn (the verifier refused it, the network is gone for good) must
+                // not end the conversation: say why, forget the question, wait for the next one.
+                Err(e) => {
+                    println!();
+                    eprintln!("error: {e:#}");
+                    history.pop();
+                }
             }
         }
         client.shutdown().await;
         Ok(())
     })
+}
+
+/// The context a chat keeps its prompt within: SmolLM2's, which is also the verifier's default
+/// prompt limit.
+const CHAT_CONTEXT: usize = 8192;
+
+/// Prompt tokens a chat turn may use: a verifier opens a session only if the prompt, the
+/// answer's `max_new_tokens` and one tree of its `max_tree_nodes` fit the model's context.
+fn chat_prompt_budget(max_new_tokens: u32) -> usize {
+    let tree = Limits::default().max_tree_nodes as usize;
+    CHAT_CONTEXT.saturating_sub(max_new_tokens as usize + tree)
+}
+
+/// Drops the oldest messages, a user-assistant exchange at a time, until `fits` accepts the
+/// history or only the newest message is left (a question too long on its own is the
+/// verifier's to refuse). Returns how many were dropped.
+fn forget_oldest_exchanges(
+    history: &mut Vec<ChatMessage>,
+    fits: impl Fn(&[ChatMessage]) -> Result<bool>,
+) -> Result<usize> {
+    let mut dropped = 0;
+    while history.len() > 1 && !fits(history)? {
+        let n = 2.min(history.len() - 1);
+        history.drain(..n);
+        dropped += n;
+    }
+    Ok(dropped)
 }
 
 fn print_now(text: &str, enabled: bool) {
@@ -631,4 +675,42 @@ fn ssm_folder_tokenizer_sha(dir: &Path, llm_tok: &Tokenizer) -> Result<[u8; 32]>
             dir.display()
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history(n: usize) -> Vec<ChatMessage> {
+        (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                ChatMessage::new(role, &format!("message {i}"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_long_chat_forgets_its_oldest_exchanges_first() {
+        let mut h = history(7);
+        let dropped = forget_oldest_exchanges(&mut h, |h| Ok(h.len() <= 3)).unwrap();
+        assert_eq!(dropped, 4);
+        let kept: Vec<&str> = h.iter().map(|m| m.content.as_str()).collect();
+        assert_eq!(kept, ["message 4", "message 5", "message 6"]);
+        assert_eq!(
+            h[0].role, "user",
+            "the history still starts with a question"
+        );
+    }
+
+    #[test]
+    fn the_newest_question_is_kept_even_when_nothing_fits() {
+        let mut h = history(5);
+        assert_eq!(forget_oldest_exchanges(&mut h, |_| Ok(false)).unwrap(), 4);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].content, "message 4");
+        let mut fits = history(5);
+        assert_eq!(forget_oldest_exchanges(&mut fits, |_| Ok(true)).unwrap(), 0);
+        assert_eq!(fits.len(), 5);
+    }
 }
