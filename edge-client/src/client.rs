@@ -14,8 +14,16 @@ use crate::{DraftModel, RoundObservation, Speculator};
 pub enum ClientError {
     #[error(transparent)]
     Remote(#[from] RemoteError),
+    /// Says the model's error itself rather than giving it as the source, so that a printed
+    /// chain of causes does not repeat it.
     #[error("draft model: {0}")]
-    Draft(#[from] ModelError),
+    Draft(ModelError),
+}
+
+impl From<ModelError> for ClientError {
+    fn from(e: ModelError) -> Self {
+        ClientError::Draft(e)
+    }
 }
 
 /// What one generation did.

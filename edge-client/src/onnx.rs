@@ -245,6 +245,10 @@ impl TreeScorer for OnnxModel {
         KvCache::with_shape(self.layers, self.kv_row)
     }
 
+    fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
     fn score(
         &self,
         cache: &mut KvCache,

@@ -17,6 +17,8 @@ pub trait DraftModel {
 /// owns, so one loaded model serves many concurrent drafts.
 pub trait TreeScorer: Sync {
     fn new_cache(&self) -> KvCache;
+    /// The longest sequence (committed tokens plus a tree's depth) the model can score.
+    fn max_positions(&self) -> usize;
     /// Logits (whole vocabulary) of nodes `first..` of `tree`; afterwards the cache's scratch
     /// region holds the tree's nodes `0..tree.len()`.
     fn score(
@@ -30,6 +32,10 @@ pub trait TreeScorer: Sync {
 impl TreeScorer for Llama {
     fn new_cache(&self) -> KvCache {
         KvCache::new(self.config())
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config().max_positions
     }
 
     fn score(
@@ -48,10 +54,17 @@ impl TreeScorer for Llama {
 /// A draft model from any [`TreeScorer`] (the `specinfer-model` transformer, or an ONNX export
 /// through ONNX Runtime) plus its cache, kept in step with the committed tokens: after a round
 /// the accepted path moves from the scratch region into place instead of being recomputed.
+///
+/// A conversation may outgrow the draft model's context (the default SSM's is 2,048 positions,
+/// the LLM's 8,192): the draft then reads only the most recent committed tokens, a window that
+/// jumps forward by half its length when full, so its cost stays bounded. Drafts only propose;
+/// the verifier, which holds the whole context, decides, so the output is unchanged.
 pub struct CachedDraft<'m> {
     model: &'m dyn TreeScorer,
     cache: KvCache,
-    /// Tokens whose K/V are committed in `cache`.
+    /// How many committed tokens precede the window the cache holds.
+    window_start: usize,
+    /// Tokens whose K/V are committed in `cache`: the window's start onwards.
     cached: Vec<u32>,
     /// The tree whose nodes sit in the cache's scratch region (the last one drafted).
     scratch_tree: Option<TokenTree>,
@@ -62,15 +75,49 @@ impl<'m> CachedDraft<'m> {
         CachedDraft {
             model,
             cache: model.new_cache(),
+            window_start: 0,
             cached: Vec::new(),
             scratch_tree: None,
         }
     }
+
+    /// How many of the committed tokens (all but the last) the draft leaves out: 0 until they
+    /// outgrow the model's context.
+    pub fn window_start(&self) -> usize {
+        self.window_start
+    }
+
+    /// Where the window over `len` committed tokens starts: the current start while the window
+    /// leaves room for a deep tree, else far enough forward to leave half the window free.
+    fn next_window_start(&self, len: usize) -> usize {
+        let limit = self.model.max_positions();
+        let window = limit - (limit / 4).min(MAX_TREE_DEPTH);
+        if len <= window {
+            0
+        } else if self.window_start <= len && len - self.window_start <= window {
+            self.window_start
+        } else {
+            len - window / 2
+        }
+    }
 }
+
+/// Positions a window keeps free for the tree drafted on top of it (at most a quarter of the
+/// model's context).
+const MAX_TREE_DEPTH: usize = 256;
 
 impl DraftModel for CachedDraft<'_> {
     fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
         let want = &committed[..committed.len().saturating_sub(1)];
+        let start = self.next_window_start(want.len());
+        if start != self.window_start {
+            // The window moved: its positions start afresh, nothing cached still applies.
+            self.window_start = start;
+            self.cache.rollback(0);
+            self.cached.clear();
+            self.scratch_tree = None;
+        }
+        let want = &want[start..];
         // After a round the accepted path is already in the scratch region: keep it (copy into
         // place) instead of computing it again.
         if let Some(tree) = self.scratch_tree.take() {
