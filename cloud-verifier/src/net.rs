@@ -15,24 +15,44 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// ALPN of protocol version 1.
 pub const ALPN: &[u8] = b"specinfer/1";
 
+/// Variants that wrap another error say it in their message and do not also give it as their
+/// `source`, so a printed chain of causes says it once.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
     #[error("bad frame from peer: {0}")]
-    Decode(#[from] DecodeError),
+    Decode(DecodeError),
     #[error("connection failed: {0}")]
-    Connection(#[from] quinn::ConnectionError),
+    Connection(quinn::ConnectionError),
     #[error("connect failed: {0}")]
-    Connect(#[from] quinn::ConnectError),
+    Connect(quinn::ConnectError),
     #[error("TLS: {0}")]
     Tls(String),
     #[error("{path}: {message}")]
     File { path: String, message: String },
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     #[error("timed out waiting for the peer")]
     Timeout,
     #[error("WebTransport: {0}")]
     WebTransport(String),
+}
+
+impl From<DecodeError> for NetError {
+    fn from(e: DecodeError) -> Self {
+        NetError::Decode(e)
+    }
+}
+
+impl From<quinn::ConnectionError> for NetError {
+    fn from(e: quinn::ConnectionError) -> Self {
+        NetError::Connection(e)
+    }
+}
+
+impl From<quinn::ConnectError> for NetError {
+    fn from(e: quinn::ConnectError) -> Self {
+        NetError::Connect(e)
+    }
 }
 
 /// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames. The

@@ -10,6 +10,8 @@ use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, TreeError,
 
 use crate::verify::{verify_greedy, verify_naive_sampling, verify_stochastic, Verdict};
 
+/// Variants that wrap another error say it in their message and do not also give it as their
+/// `source`, so a printed chain of causes says it once.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
     #[error(
@@ -17,15 +19,27 @@ pub enum SessionError {
     )]
     WrongRoot { got: u32, expected: u32 },
     #[error("invalid tree: {0}")]
-    Tree(#[from] TreeError),
+    Tree(TreeError),
     #[error("stochastic verification needs the draft's proposal distributions in the tree")]
     MissingProposals,
     #[error("the session has finished ({0:?})")]
     Finished(FinishReason),
     #[error("model: {0}")]
-    Model(#[from] ModelError),
+    Model(ModelError),
     #[error("the prompt is still being prefilled")]
     Prefilling,
+}
+
+impl From<TreeError> for SessionError {
+    fn from(e: TreeError) -> Self {
+        SessionError::Tree(e)
+    }
+}
+
+impl From<ModelError> for SessionError {
+    fn from(e: ModelError) -> Self {
+        SessionError::Model(e)
+    }
 }
 
 /// What one verification round produced.

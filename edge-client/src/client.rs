@@ -10,12 +10,12 @@ use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenT
 use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
 use crate::{DraftModel, RoundObservation, Speculator};
 
+/// Variants that wrap another error say it in their message and do not also give it as their
+/// `source`, so a printed chain of causes says it once.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error(transparent)]
     Remote(#[from] RemoteError),
-    /// Says the model's error itself rather than giving it as the source, so that a printed
-    /// chain of causes does not repeat it.
     #[error("draft model: {0}")]
     Draft(ModelError),
 }

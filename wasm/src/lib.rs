@@ -17,16 +17,24 @@ use specinfer_wire::{
 };
 use wasm_bindgen::prelude::*;
 
+/// Variants that wrap another error say it in their message and do not also give it as their
+/// `source`, so a printed chain of causes says it once.
 #[derive(Debug, thiserror::Error)]
 pub enum BrowserError {
     #[error("model: {0}")]
-    Model(#[from] specinfer_model::ModelError),
+    Model(specinfer_model::ModelError),
     #[error("protocol: {0}")]
     Protocol(String),
     #[error("verifier: {0}")]
     Verifier(String),
     #[error("chat settings: {0}")]
     Settings(String),
+}
+
+impl From<specinfer_model::ModelError> for BrowserError {
+    fn from(e: specinfer_model::ModelError) -> Self {
+        BrowserError::Model(e)
+    }
 }
 
 impl From<BrowserError> for JsValue {

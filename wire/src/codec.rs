@@ -20,6 +20,8 @@ fn codec() -> Codec {
     config::standard().with_limit::<BODY_CEILING>()
 }
 
+/// Variants that wrap another error say it in their message and do not also give it as their
+/// `source`, so a printed chain of causes says it once.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DecodeError {
     #[error("frame of {got} bytes exceeds the limit of {limit}")]
@@ -33,7 +35,13 @@ pub enum DecodeError {
     #[error("{0} trailing bytes after the message")]
     TrailingBytes(usize),
     #[error("invalid message: {0}")]
-    Invalid(#[from] InvalidMessage),
+    Invalid(InvalidMessage),
+}
+
+impl From<InvalidMessage> for DecodeError {
+    fn from(e: InvalidMessage) -> Self {
+        DecodeError::Invalid(e)
+    }
 }
 
 impl DecodeError {
