@@ -124,4 +124,15 @@ fn chat_completions_stream_as_server_sent_events() {
         &url("/v1/chat/completions"),
     ]);
     assert_eq!(code, 400);
+    // A conversation longer than the context: refused with OpenAI's code, before any stream.
+    let long = request.replace("Name three colours.", &"colour ".repeat(9000));
+    for body in [
+        long.clone(),
+        long.replace("\"temperature\":0", "\"stream\":true"),
+    ] {
+        let (code, err) = curl(&["-d", &body, &url("/v1/chat/completions")]);
+        assert_eq!(code, 400, "{err}");
+        let err: serde_json::Value = serde_json::from_str(&err).unwrap();
+        assert_eq!(err["error"]["code"], "context_length_exceeded", "{err}");
+    }
 }

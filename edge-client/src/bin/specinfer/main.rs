@@ -557,12 +557,12 @@ fn chat(args: CommonArgs) -> Result<()> {
                 }
                 msg => history.push(ChatMessage::new("user", msg)),
             }
-            let budget = chat_prompt_budget(setup.params.max_new_tokens);
+            let budget = prompt_budget(setup.params.max_new_tokens);
             let forgotten = forget_oldest_exchanges(&mut history, |h| {
                 Ok(setup.prompt_ids(h, setup.raw)?.len() <= budget)
             })?;
             if forgotten > 0 {
-                eprintln!("(forgot the {forgotten} oldest messages to stay within the {CHAT_CONTEXT}-token context)");
+                eprintln!("(forgot the {forgotten} oldest messages to stay within the {CONTEXT_TOKENS}-token context)");
             }
             let ids = setup.prompt_ids(&history, setup.raw)?;
             match setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await {
@@ -587,15 +587,15 @@ fn chat(args: CommonArgs) -> Result<()> {
     })
 }
 
-/// The context a chat keeps its prompt within: SmolLM2's, which is also the verifier's default
-/// prompt limit.
-const CHAT_CONTEXT: usize = 8192;
+/// The context prompts are kept within (chat) or checked against (the OpenAI endpoint):
+/// SmolLM2's, which is also the verifier's default prompt limit.
+pub(crate) const CONTEXT_TOKENS: usize = 8192;
 
-/// Prompt tokens a chat turn may use: a verifier opens a session only if the prompt, the
+/// Prompt tokens a request may use: a verifier opens a session only if the prompt, the
 /// answer's `max_new_tokens` and one tree of its `max_tree_nodes` fit the model's context.
-fn chat_prompt_budget(max_new_tokens: u32) -> usize {
+pub(crate) fn prompt_budget(max_new_tokens: u32) -> usize {
     let tree = Limits::default().max_tree_nodes as usize;
-    CHAT_CONTEXT.saturating_sub(max_new_tokens as usize + tree)
+    CONTEXT_TOKENS.saturating_sub(max_new_tokens as usize + tree)
 }
 
 /// Drops the oldest messages, a user-assistant exchange at a time, until `fits` accepts the

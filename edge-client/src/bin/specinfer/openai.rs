@@ -301,6 +301,20 @@ async fn complete(
         }
     };
     let ids = setup.prompt_ids(&messages, !chat)?;
+    // Refused here, as OpenAI does, so that apps which trim their history on this code can.
+    let budget = crate::prompt_budget(params.max_new_tokens);
+    if ids.len() > budget {
+        let message = format!(
+            "the prompt has {} tokens, more than the {budget} that fit the model's {}-token context \
+             with max_tokens {} and room for speculation",
+            ids.len(),
+            crate::CONTEXT_TOKENS,
+            params.max_new_tokens
+        );
+        let error = json!({"error": {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}});
+        respond(sock, 400, &error).await;
+        return Ok(());
+    }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let id = format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" });
     let created = now();
@@ -369,9 +383,18 @@ async fn complete(
         }
     };
     let (result, ()) = tokio::join!(generation, writer);
-    let (g, _) = result?;
-    sock.write_all(event(json!({}), json!(finish_name(&g))).as_bytes())
-        .await?;
+    match result {
+        Ok((g, _)) => {
+            sock.write_all(event(json!({}), json!(finish_name(&g))).as_bytes())
+                .await?
+        }
+        // The status line has gone out: the error travels as an event of the stream.
+        Err(e) => {
+            let error = json!({"error": {"message": format!("{e:#}"), "type": "server_error"}});
+            sock.write_all(format!("data: {error}\n\n").as_bytes())
+                .await?
+        }
+    }
     sock.write_all(b"data: [DONE]\n\n").await?;
     Ok(())
 }
