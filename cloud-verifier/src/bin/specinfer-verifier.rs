@@ -63,6 +63,8 @@ struct ServeArgs {
     /// Serve Prometheus metrics over HTTP on this address (GET /metrics).
     #[arg(long)]
     metrics: Option<SocketAddr>,
+    /// Sessions open at once, over all clients; a client asking for more is told the verifier
+    /// is busy and when to retry
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
     /// KV cache memory for all sessions together, MiB. On a GPU each session holds the model's
