@@ -124,6 +124,16 @@ fn chat_completions_stream_as_server_sent_events() {
         &url("/v1/chat/completions"),
     ]);
     assert_eq!(code, 400);
+    // A chunked body (what some clients send for streamed uploads): a clear refusal.
+    let (code, err) = curl(&[
+        "-H",
+        "Transfer-Encoding: chunked",
+        "-d",
+        request,
+        &url("/v1/chat/completions"),
+    ]);
+    assert_eq!(code, 411, "{err}");
+    assert!(err.contains("Content-Length"), "{err}");
     // A conversation longer than the context: refused with OpenAI's code, before any stream.
     let long = request.replace("Name three colours.", &"colour ".repeat(9000));
     for body in [

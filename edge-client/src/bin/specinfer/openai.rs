@@ -55,14 +55,24 @@ async fn read_request(sock: &mut TcpStream) -> Result<Request, HttpError> {
         first.next().unwrap_or("").to_string(),
         first.next().unwrap_or("").to_string(),
     );
-    let length = lines
+    let headers: Vec<(&str, &str)> = lines
         .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-        .map(|(_, v)| {
-            v.trim()
-                .parse::<usize>()
-                .map_err(|_| bad("bad Content-Length"))
-        })
+        .map(|(k, v)| (k.trim(), v.trim()))
+        .collect();
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|&(_, v)| v)
+    };
+    if header("transfer-encoding").is_some() {
+        return Err(HttpError(
+            411,
+            "chunked request bodies are not supported: send the body with a Content-Length".into(),
+        ));
+    }
+    let length = header("content-length")
+        .map(|v| v.parse::<usize>().map_err(|_| bad("bad Content-Length")))
         .transpose()?
         .unwrap_or(0);
     if length > MAX_BODY {
@@ -93,6 +103,7 @@ async fn respond(sock: &mut TcpStream, status: u16, body: &Value) {
         200 => "OK",
         400 => "Bad Request",
         404 => "Not Found",
+        411 => "Length Required",
         413 => "Payload Too Large",
         431 => "Request Header Fields Too Large",
         _ => "Internal Server Error",
