@@ -2,7 +2,7 @@
 //! answers from the LLM, distillation of a small Llama with a restricted head, export
 //! (safetensors + config + tokenizer.json), evaluation on held-out prompts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -120,6 +120,12 @@ struct RunArgs {
     /// Prompts the teacher answers per batched forward.
     #[arg(long, default_value_t = 32)]
     teacher_batch: usize,
+    /// Have the teacher answer the first N training prompts once more, sampling at a
+    /// temperature drawn per prompt from 0.7..1.0 (teacher_train_sampled.jsonl), and train on
+    /// those answers too: the continuations users meet in sample mode, and more data once the
+    /// prompts run out.
+    #[arg(long, default_value_t = 0)]
+    sampled_answers: usize,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -178,23 +184,27 @@ fn run(a: RunArgs) -> Result<()> {
     eprintln!("[2/5] teacher answers");
     let train_file = work.join("teacher_train.jsonl");
     let heldout_file = work.join("teacher_heldout.jsonl");
-    teacher::generate(
-        &llm,
-        &tok,
-        &heldout,
-        a.max_new,
-        a.teacher_batch,
-        &heldout_file,
-    )?;
-    teacher::generate(
-        &llm,
-        &tok,
-        &train_prompts,
-        a.max_new,
-        a.teacher_batch,
-        &train_file,
-    )?;
-    let train_ex = teacher::read_examples(&train_file)?;
+    let sampled_file = work.join("teacher_train_sampled.jsonl");
+    let answer = |prompts: &[String], decoding, file: &Path| {
+        teacher::generate(
+            &llm,
+            &tok,
+            prompts,
+            a.max_new,
+            a.teacher_batch,
+            decoding,
+            file,
+        )
+    };
+    answer(&heldout, teacher::Decoding::Greedy, &heldout_file)?;
+    answer(&train_prompts, teacher::Decoding::Greedy, &train_file)?;
+    let mut train_ex = teacher::read_examples(&train_file)?;
+    if a.sampled_answers > 0 {
+        let n = a.sampled_answers.min(train_prompts.len());
+        let decoding = teacher::Decoding::Sampled { seed: a.model.seed };
+        answer(&train_prompts[..n], decoding, &sampled_file)?;
+        train_ex.extend(teacher::read_examples(&sampled_file)?.into_iter().take(n));
+    }
     let heldout_ex = teacher::read_examples(&heldout_file)?;
 
     eprintln!("[3/5] distillation; [4/5] export to {}", a.out.display());

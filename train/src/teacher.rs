@@ -1,12 +1,13 @@
-//! Teacher data: the LLM answers the prompts (greedy, in its chat template), many sequences per
-//! forward pass through the same engine the verifier uses.
+//! Teacher data: the LLM answers the prompts (greedy, or sampled, in its chat template), many
+//! sequences per forward pass through the same engine the verifier uses.
 
 use std::io::{BufRead, Write};
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Result;
-use specinfer_kernels::sampling::argmax;
+use rand::{Rng, SeedableRng};
+use specinfer_kernels::sampling::{argmax, distribution, sample};
 use specinfer_model::{ChatMessage, KvCache, Llama, SeqTree, Tokenizer};
 use specinfer_wire::TokenTree;
 
@@ -72,6 +73,21 @@ fn drop_partial_last_line(path: &Path) -> Result<usize> {
     Ok(bytes[..keep].iter().filter(|&&b| b == b'\n').count())
 }
 
+/// How the teacher picks each answer token.
+#[derive(Clone, Copy, Debug)]
+pub enum Decoding {
+    Greedy,
+    /// Sampled at a temperature drawn per prompt from [`SAMPLED_TEMPERATURES`]: the answers
+    /// the SSM meets when users sample, and more than one answer per prompt. Every draw comes
+    /// from (`seed`, prompt index), so a resumed run continues the same answers.
+    Sampled {
+        seed: u64,
+    },
+}
+
+/// The range sampled answers draw their temperature from.
+pub const SAMPLED_TEMPERATURES: std::ops::Range<f32> = 0.7..1.0;
+
 /// Appends the teacher's answers for `prompts` to `out` (JSONL), skipping the prompts already
 /// answered there: an interrupted run resumes where it stopped.
 pub fn generate(
@@ -80,6 +96,7 @@ pub fn generate(
     prompts: &[String],
     max_new: usize,
     batch: usize,
+    decoding: Decoding,
     out: &Path,
 ) -> Result<()> {
     let done = if out.exists() {
@@ -96,6 +113,19 @@ pub fn generate(
     let todo = &prompts[done.min(prompts.len())..];
     for (b, chunk) in todo.chunks(batch).enumerate() {
         let mut seqs: Vec<(Vec<u32>, KvCache, Example, bool)> = Vec::new();
+        // Per prompt: its RNG and temperature (sampled answers only).
+        let mut draws: Vec<(rand_chacha::ChaCha8Rng, f32)> = (0..chunk.len())
+            .map(|j| {
+                let index = (done + b * batch + j) as u64;
+                let seed = match decoding {
+                    Decoding::Greedy => 0,
+                    Decoding::Sampled { seed } => seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                };
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+                let t = rng.random_range(SAMPLED_TEMPERATURES);
+                (rng, t)
+            })
+            .collect();
         for p in chunk {
             let ids = tok.encode(&tok.chat_prompt(&[ChatMessage::new("user", p)]))?;
             let mut cache = KvCache::new(llm.config());
@@ -140,7 +170,14 @@ pub fn generate(
             for (&i, l) in active.iter().zip(&logits) {
                 let s = &mut seqs[i];
                 s.1.compact(&[0]);
-                let t = argmax(l.node(0)) as u32;
+                let t = match decoding {
+                    Decoding::Greedy => argmax(l.node(0)) as u32,
+                    Decoding::Sampled { .. } => {
+                        let (rng, temperature) = &mut draws[i];
+                        let p = distribution(l.node(0), *temperature, 0, 1.0);
+                        sample(&p, rng.random()) as u32
+                    }
+                };
                 s.2.answer.push(t);
                 s.2.top.push(top_probabilities(l.node(0), TOP_KEPT));
                 tokens += 1;
