@@ -200,7 +200,16 @@ fn main() -> Result<()> {
     let teacher_file = fetch::cache_dir().join(format!(
         "bench_teacher_{set_tag}_{n_prompts}_{max_new}.jsonl"
     ));
-    teacher::generate(&llm, &tok, &heldout, max_new as usize, 16, &teacher_file)?;
+    let greedy = teacher::Decoding::Greedy;
+    teacher::generate(
+        &llm,
+        &tok,
+        &heldout,
+        max_new as usize,
+        16,
+        greedy,
+        &teacher_file,
+    )?;
     let examples = teacher::read_examples(&teacher_file)?;
     let ctx = Ctx {
         prompts: examples.iter().map(|e| e.prompt.clone()).collect(),
