@@ -1,13 +1,12 @@
 //! Teacher answers on SmolLM2: sampled answers are not the greedy ones, and a resumed run
 //! continues exactly the answers an uninterrupted run writes.
 
-use specinfer_model::{fetch, load_gguf};
+use specinfer_integration::smollm2;
 use specinfer_train::teacher::{generate, read_examples, Decoding};
 
 #[test]
 fn sampled_teacher_answers_differ_from_greedy_and_resume_identically() {
-    let path = fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir()).unwrap();
-    let (llm, tok) = load_gguf(&path).unwrap();
+    let (llm, tok) = smollm2();
     let prompts: Vec<String> = [
         "Name a colour.",
         "Write a short poem about rain.",
@@ -25,11 +24,11 @@ fn sampled_teacher_answers_differ_from_greedy_and_resume_identically() {
     };
     let sampled = Decoding::Sampled { seed: 7 };
     let (greedy, whole, resumed) = (file("greedy"), file("whole"), file("resumed"));
-    generate(&llm, &tok, &prompts, 24, 4, Decoding::Greedy, &greedy).unwrap();
-    generate(&llm, &tok, &prompts, 24, 4, sampled, &whole).unwrap();
+    generate(llm, tok, &prompts, 24, 4, Decoding::Greedy, &greedy).unwrap();
+    generate(llm, tok, &prompts, 24, 4, sampled, &whole).unwrap();
     // Interrupted after the first two prompts (another batch size, too), then resumed.
-    generate(&llm, &tok, &prompts[..2], 24, 1, sampled, &resumed).unwrap();
-    generate(&llm, &tok, &prompts, 24, 3, sampled, &resumed).unwrap();
+    generate(llm, tok, &prompts[..2], 24, 1, sampled, &resumed).unwrap();
+    generate(llm, tok, &prompts, 24, 3, sampled, &resumed).unwrap();
 
     let (greedy, whole, resumed) = (
         read_examples(&greedy).unwrap(),
