@@ -3,9 +3,9 @@
 # SmolLM2, greedy speculative == incremental on the GPU, latency vs tree size and batch, decode
 # time vs the weights' read time, then the verifier service on cuda:0 over loopback QUIC. Needs
 # the NVIDIA driver, NVRTC and cuBLAS (the system's, or PyPI wheels' folders in LD_LIBRARY_PATH).
-# It builds the binaries itself, or takes them from SPECINFER_GPU_BIN (a folder with gpu_check,
-# specinfer-verifier and specinfer: how scripts/gpu-bundle.sh ships them to a machine without
-# Rust).
+# It builds the binaries itself (`--build` only builds them), or takes them from
+# SPECINFER_GPU_BIN (a folder with gpu_check, specinfer-verifier and specinfer: how
+# scripts/gpu-bundle.sh ships them to a machine without Rust).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The NVRTC wheel that `cargo test -p specinfer-model --features cuda --test nvrtc` fetches.
@@ -22,6 +22,7 @@ else
   gpu_check=target/release/examples/gpu_check
   verifier=target/release/specinfer-verifier
   client=target/release/specinfer
+  [ "${1:-}" != --build ] || exit 0
 fi
 "$gpu_check"
 

@@ -1,7 +1,7 @@
 //! Draft models behind one trait, so the speculator does not care what computes the logits.
 
 use specinfer_model::{KvCache, Llama, ModelError, SeqTree};
-use specinfer_wire::TokenTree;
+use specinfer_wire::{Limits, TokenTree};
 
 /// A model that scores a growing token tree on top of the committed tokens.
 pub trait DraftModel {
@@ -91,7 +91,9 @@ impl<'m> CachedDraft<'m> {
     /// leaves room for a deep tree, else far enough forward to leave half the window free.
     fn next_window_start(&self, len: usize) -> usize {
         let limit = self.model.max_positions();
-        let window = limit - (limit / 4).min(MAX_TREE_DEPTH);
+        // Room for the largest tree a verifier accepts (at most a quarter of the context).
+        let tree = Limits::default().max_tree_nodes as usize;
+        let window = limit - (limit / 4).min(tree);
         if len <= window {
             0
         } else if self.window_start <= len && len - self.window_start <= window {
@@ -101,10 +103,6 @@ impl<'m> CachedDraft<'m> {
         }
     }
 }
-
-/// Positions a window keeps free for the tree drafted on top of it (at most a quarter of the
-/// model's context).
-const MAX_TREE_DEPTH: usize = 256;
 
 impl DraftModel for CachedDraft<'_> {
     fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {

@@ -113,19 +113,20 @@ pub fn generate(
     let todo = &prompts[done.min(prompts.len())..];
     for (b, chunk) in todo.chunks(batch).enumerate() {
         let mut seqs: Vec<(Vec<u32>, KvCache, Example, bool)> = Vec::new();
-        // Per prompt: its RNG and temperature (sampled answers only).
-        let mut draws: Vec<(rand_chacha::ChaCha8Rng, f32)> = (0..chunk.len())
-            .map(|j| {
-                let index = (done + b * batch + j) as u64;
-                let seed = match decoding {
-                    Decoding::Greedy => 0,
-                    Decoding::Sampled { seed } => seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                };
-                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-                let t = rng.random_range(SAMPLED_TEMPERATURES);
-                (rng, t)
-            })
-            .collect();
+        // Per prompt of a sampled run: its RNG and temperature.
+        let mut draws: Vec<(rand_chacha::ChaCha8Rng, f32)> = match decoding {
+            Decoding::Greedy => Vec::new(),
+            Decoding::Sampled { seed } => (0..chunk.len())
+                .map(|j| {
+                    let index = (done + b * batch + j) as u64;
+                    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+                        seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    );
+                    let t = rng.random_range(SAMPLED_TEMPERATURES);
+                    (rng, t)
+                })
+                .collect(),
+        };
         for p in chunk {
             let ids = tok.encode(&tok.chat_prompt(&[ChatMessage::new("user", p)]))?;
             let mut cache = KvCache::new(llm.config());
