@@ -38,18 +38,27 @@ struct ModelArgs {
     /// Optimiser steps (batches of `batch` sequences).
     #[arg(long, default_value_t = 2500)]
     steps: usize,
+    /// Sequences per optimiser step.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Tokens per training sequence (the end of prompt + answer).
     #[arg(long, default_value_t = 192)]
     seq_len: usize,
+    /// Peak learning rate (after 50 warmup steps, cosine-decayed to a tenth at --steps; a
+    /// resumed run continues the schedule where its checkpoint stopped).
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
+    /// Hidden width.
     #[arg(long, default_value_t = 128)]
     d_model: usize,
+    /// Transformer layers. Resuming with more grows a checkpoint: its layers come first, and
+    /// the new ones start as identities (the grown model computes what the checkpoint did).
     #[arg(long, default_value_t = 5)]
     layers: usize,
+    /// Attention heads.
     #[arg(long, default_value_t = 4)]
     heads: usize,
+    /// Width of the feed-forward layer.
     #[arg(long, default_value_t = 384)]
     ffn: usize,
     /// Tokens the SSM's head covers (the most frequent in the teacher's answers). Resuming with

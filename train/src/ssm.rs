@@ -146,12 +146,16 @@ impl Ssm {
         self.vars.iter().map(|(_, v)| v.clone()).collect()
     }
 
-    fn get(&self, name: &str) -> &Tensor {
+    fn var(&self, name: &str) -> &Var {
         self.vars
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_tensor())
+            .map(|(_, v)| v)
             .unwrap_or_else(|| panic!("no var {name}"))
+    }
+
+    fn get(&self, name: &str) -> &Tensor {
+        self.var(name).as_tensor()
     }
 
     /// Logits over the head's tokens for `ids` (`[batch, len]`, u32): `[batch, len, head]`.
@@ -288,8 +292,27 @@ impl Ssm {
     /// A run may ask for a larger head than the checkpoint's: the saved rows keep their tokens,
     /// and the run's most frequent tokens not among them follow, each row starting as the mean
     /// of the saved rows (a logit typical of the trained tokens, neither favoured nor ruled out).
+    ///
+    /// A run may also ask for more layers: the saved layers come first and each new one starts
+    /// with its two residual outputs (`o_proj`, `down_proj`) at zero, so the grown model computes
+    /// exactly what the checkpoint did and training only adds to it (a deeper model without
+    /// relearning what the shallow one knew).
     pub fn load_checkpoint(&mut self, path: &Path) -> Result<()> {
         let t = candle_core::safetensors::load(path, &Device::Cpu)?;
+        let saved_layers = (0..)
+            .take_while(|i| t.contains_key(&format!("model.layers.{i}.input_layernorm.weight")))
+            .count();
+        anyhow::ensure!(
+            saved_layers <= self.cfg.n_layers,
+            "checkpoint has {saved_layers} layers, this run {} (a model can grow on resume, not shrink)",
+            self.cfg.n_layers
+        );
+        for i in saved_layers..self.cfg.n_layers {
+            for w in ["self_attn.o_proj", "mlp.down_proj"] {
+                let v = self.var(&format!("model.layers.{i}.{w}.weight"));
+                v.set(&v.zeros_like()?)?;
+            }
+        }
         if let Some(ids) = t.get(HEAD_IDS) {
             let mut ids = ids.to_vec1::<u32>()?;
             let size = self.head_ids.len();

@@ -135,6 +135,68 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
         }
     }
 
+    // A run with more layers grows the checkpoint's: the new layers start as identities (the
+    // logits are the trained model's), and training moves them.
+    let deeper_cfg = SsmConfig {
+        n_layers: ssm.cfg.n_layers + 2,
+        ..ssm.cfg.clone()
+    };
+    let mut deeper = Ssm::init(
+        deeper_cfg.clone(),
+        ssm.head_ids.clone(),
+        teacher.token_embeddings(),
+        64,
+        6,
+    )
+    .unwrap();
+    let before_load = logits_of(&deeper);
+    deeper.load_checkpoint(&checkpoint).unwrap();
+    let deeper_logits = logits_of(&deeper);
+    let largest_difference = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(largest_difference(&deeper_logits, &train_logits) < 1e-4);
+    assert!(largest_difference(&before_load, &train_logits) > 1e-2);
+    let more = TrainConfig {
+        steps: 160,
+        ..tc.clone()
+    };
+    let deeper_checkpoint = dir.join("deeper.safetensors");
+    train(&mut deeper, &examples, &more, &deeper_checkpoint, 150).unwrap();
+    deeper.export(&dir.join("deeper"), &[0; 32]).unwrap();
+    let weights =
+        candle_core::safetensors::load(dir.join("deeper/model.safetensors"), &Device::Cpu).unwrap();
+    for w in ["layers.2.self_attn.o_proj", "layers.3.mlp.down_proj"] {
+        let largest = weights[&format!("model.{w}.weight")]
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(largest > 1e-4, "{w} did not learn: {largest}");
+    }
+    // ... and a checkpoint never shrinks.
+    let mut shallower = Ssm::init(
+        SsmConfig {
+            n_layers: 1,
+            ..ssm.cfg.clone()
+        },
+        ssm.head_ids.clone(),
+        teacher.token_embeddings(),
+        64,
+        6,
+    )
+    .unwrap();
+    let err = shallower.load_checkpoint(&deeper_checkpoint).unwrap_err();
+    assert!(err.to_string().contains("4 layers"), "{err}");
+
     ssm.export(&dir.join("ssm"), &[0; 32]).unwrap();
     let exported = Llama::from_safetensors(&dir.join("ssm")).unwrap();
     let mut kv = KvCache::new(exported.config());
