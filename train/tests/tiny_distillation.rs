@@ -137,12 +137,11 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
 
     // A run with more layers grows the checkpoint's: the new layers start as identities (the
     // logits are the trained model's), and training moves them.
-    let deeper_cfg = SsmConfig {
-        n_layers: ssm.cfg.n_layers + 2,
-        ..ssm.cfg.clone()
-    };
     let mut deeper = Ssm::init(
-        deeper_cfg.clone(),
+        SsmConfig {
+            n_layers: ssm.cfg.n_layers + 2,
+            ..ssm.cfg.clone()
+        },
         ssm.head_ids.clone(),
         teacher.token_embeddings(),
         64,
