@@ -13,7 +13,8 @@ use clap::Parser;
 use plotters::prelude::*;
 use serde_json::{json, Value};
 use specinfer_edge::{
-    CachedDraft, Client, DraftMode, Drafting, EmbeddedVerifier, Speculator, TreeShape,
+    CachedDraft, Client, ContextLookup, DraftMode, Drafting, EmbeddedVerifier, Speculator,
+    TreeShape,
 };
 use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree, Tokenizer};
 use specinfer_train::{data, eval, teacher};
@@ -317,28 +318,24 @@ fn main() -> Result<()> {
     // Long round trips make this the slowest section: at most 6 prompts.
     let rtt_prompts = 6;
     for &rtt in rtts {
-        let spec = rt.block_on(run_remote(
-            &ctx,
-            rtt_prompts,
-            &verifier,
-            Some(adaptive.clone()),
-            false,
-            rtt,
-        ))?;
-        let piped = rt.block_on(run_remote(
-            &ctx,
-            rtt_prompts,
-            &verifier,
-            Some(adaptive.clone()),
-            true,
-            rtt,
-        ))?;
-        let inc = rt.block_on(run_remote(&ctx, rtt_prompts, &verifier, None, false, rtt))?;
+        let run = |shape: Option<TreeShape>, pipelined, lookup| {
+            rt.block_on(run_remote(
+                &ctx,
+                rtt_prompts,
+                &verifier,
+                shape,
+                pipelined,
+                lookup,
+                rtt,
+            ))
+        };
         rtt_rows.push(RttRow {
             rtt,
-            spec,
-            piped,
-            inc,
+            spec: run(Some(adaptive.clone()), false, false)?,
+            piped: run(Some(adaptive.clone()), true, false)?,
+            spec_lookup: run(Some(adaptive.clone()), false, true)?,
+            lookup_alone: run(None, false, true)?,
+            inc: run(None, false, false)?,
         });
     }
     eprintln!("[4] per-token latency vs tree width x concurrent sessions (Figure 10)");
@@ -393,7 +390,8 @@ fn main() -> Result<()> {
     )?;
     report.insert(
         "rtt".into(),
-        json!(rtt_rows.iter().map(|r| json!({"rtt_ms": r.rtt, "speculative": r.spec.to_json(), "speculative_pipelined": r.piped.to_json(), "incremental": r.inc.to_json()})).collect::<Vec<_>>()),
+        json!(rtt_rows.iter().map(|r| json!({"rtt_ms": r.rtt, "speculative": r.spec.to_json(), "speculative_pipelined": r.piped.to_json(),
+            "speculative_with_lookup": r.spec_lookup.to_json(), "lookup_alone": r.lookup_alone.to_json(), "incremental": r.inc.to_json()})).collect::<Vec<_>>()),
     );
     plot_lines(
         &args.out.join("rtt.svg"),
@@ -413,6 +411,20 @@ fn main() -> Result<()> {
                 rtt_rows
                     .iter()
                     .map(|r| (r.rtt as f64, r.piped.tokens_per_s()))
+                    .collect(),
+            ),
+            (
+                "speculative + context lookup",
+                rtt_rows
+                    .iter()
+                    .map(|r| (r.rtt as f64, r.spec_lookup.tokens_per_s()))
+                    .collect(),
+            ),
+            (
+                "context lookup alone",
+                rtt_rows
+                    .iter()
+                    .map(|r| (r.rtt as f64, r.lookup_alone.tokens_per_s()))
                     .collect(),
             ),
             (
@@ -479,11 +491,14 @@ struct Run {
     pipelined_rounds: usize,
 }
 
-/// One round-trip time: adaptive speculation without and with pipelining, and incremental.
+/// One round-trip time: adaptive speculation without and with pipelining, with the context
+/// lookup's chain added, the lookup alone, and incremental.
 struct RttRow {
     rtt: u64,
     spec: Run,
     piped: Run,
+    spec_lookup: Run,
+    lookup_alone: Run,
     inc: Run,
 }
 
@@ -556,11 +571,13 @@ async fn run_remote(
     verifier: &specinfer_edge::RemoteConfig,
     shape: Option<TreeShape>,
     pipelining: bool,
+    lookup: bool,
     rtt_ms: u64,
 ) -> Result<Run> {
     let mut client = Client::connect(verifier.clone()).await?;
     client.emulate_round_trip(Duration::from_millis(rtt_ms));
     client.set_pipelining(pipelining);
+    client.set_context_lookup(lookup.then(ContextLookup::default));
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().take(prompts).enumerate() {
         let g = match &shape {
@@ -797,14 +814,19 @@ fn markdown(
         "## 5. Tree-based vs sequence-based decoding (paper tree, {} root-to-leaf paths)\n\nOne tree forward: {:.1} ms; one forward per path: {:.1} ms; speed-up {:.2}x.\n\n",
         tvs.2, tvs.0, tvs.1, tvs.1 / tvs.0
     );
-    s += "## 6. Edge/cloud: round-trip time\n\n| RTT ms | speculative tokens/s | pipelined tokens/s (hit rate) | incremental tokens/s | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|\n";
+    s += "## 6. Edge/cloud: round-trip time\n\nAdaptive tree; \"+ lookup\": the context lookup's chain added to every tree; \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|\n";
     for r in rtt {
         s += &format!(
-            "| {} | {:.1} | {:.1} ({:.0}%) | {:.1} | {:.4} | {:.4} |\n",
+            "| {} | {:.1} ({:.2}) | {:.1} ({:.0}%) | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} | {:.4} | {:.4} |\n",
             r.rtt,
             r.spec.tokens_per_s(),
+            r.spec.tau(),
             r.piped.tokens_per_s(),
             100.0 * r.piped.pipelined_rounds as f64 / r.piped.rounds.max(1) as f64,
+            r.spec_lookup.tokens_per_s(),
+            r.spec_lookup.tau(),
+            r.lookup_alone.tokens_per_s(),
+            r.lookup_alone.tau(),
             r.inc.tokens_per_s(),
             r.spec.verifier_seconds / r.spec.tokens.max(1) as f64,
             r.inc.verifier_seconds / r.inc.tokens.max(1) as f64

@@ -195,6 +195,55 @@ fn naive_sampling_follows_p() {
     });
 }
 
+/// The context lookup's chain (every node drawn from a point mass) beside sampled children: the
+/// first token still follows `P`, and after a first token 0 (the chain's first token, also
+/// drawable by the sampled children, which have no children of their own) the second follows the
+/// LLM's uniform distribution there, whichever branch was accepted.
+#[test]
+fn a_context_lookup_chain_beside_sampled_children_keeps_p() {
+    use specinfer_speculator::ContextLookup;
+    let lookup = ContextLookup {
+        min_match: 2,
+        max_match: 2,
+        max_tokens: 2,
+    };
+    // The root is token 0; "5 0" occurred before, followed by "0 3".
+    let context = [5, 0, 0, 3, 1, 5, 0];
+    assert_eq!(lookup.continuation(&context), &[0, 3]);
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+        // Where q is close to p the residual leaves the chain almost nothing; where q misses p's
+        // mode the chain takes most acceptances: summed over the cases it must be exercised.
+        let mut through_chain = 0;
+        for (name, q, k) in cases() {
+            let (mut first, mut second) = ([0u64; 8], [0u64; 8]);
+            let chain_before = through_chain;
+            for _ in 0..DRAWS {
+                let tree = lookup.extend(star(&q, k, mode, &mut rng), &context, 64, true);
+                let v = verify_stochastic(&tree, llm, &mut rng);
+                let tokens = v.tokens(&tree);
+                first[tokens[0] as usize] += 1;
+                if tokens[0] == 0 && tokens.len() > 1 {
+                    second[tokens[1] as usize] += 1;
+                }
+                through_chain += (v.accepted.first() == Some(&(k as u32 + 1))) as u32;
+            }
+            let p1 = chi_square_p(&first, &expected());
+            let p2 = chi_square_p(&second, &[1.0 / 8.0; 8]);
+            println!(
+                "{mode:?} + lookup, {name}: p-values {p1:.4} (first), {p2:.4} (second), {} through the chain",
+                through_chain - chain_before
+            );
+            assert!(p1 > 1e-3, "{mode:?}, {name}: first token {first:?}");
+            assert!(p2 > 1e-3, "{mode:?}, {name}: second token {second:?}");
+        }
+        assert!(
+            through_chain > DRAWS as u32 / 10,
+            "{mode:?}: the chain was accepted only {through_chain} times"
+        );
+    }
+}
+
 /// MSS on a depth-1 tree written out independently, with the residual left unnormalised between
 /// children: the bug the chi-square test must catch.
 fn broken_mss_first_token(tree: &TokenTree, rng: &mut impl Rng) -> u32 {

@@ -5,10 +5,10 @@
 use std::time::{Duration, Instant};
 
 use specinfer_model::ModelError;
-use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree};
+use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree, VerifyMode};
 
 use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-use crate::{DraftModel, RoundObservation, Speculator};
+use crate::{ContextLookup, DraftModel, RoundObservation, Speculator};
 
 /// Variants that wrap another error say it in their message and do not also give it as their
 /// `source`, so a printed chain of causes says it once.
@@ -44,6 +44,8 @@ pub struct Generation {
     pub reconnects: usize,
     /// Rounds whose tree was drafted ahead, while the previous round was being verified.
     pub pipelined_rounds: usize,
+    /// Accepted tokens that only the context lookup's chain proposed.
+    pub lookup_accepted: usize,
 }
 
 /// How each round's tree is made.
@@ -64,6 +66,7 @@ pub struct Client {
     next_session: u64,
     added_rtt: Duration,
     pipelining: bool,
+    lookup: Option<ContextLookup>,
 }
 
 impl Client {
@@ -75,6 +78,7 @@ impl Client {
             next_session: 1,
             added_rtt: Duration::ZERO,
             pipelining: false,
+            lookup: None,
         })
     }
 
@@ -84,6 +88,12 @@ impl Client {
     /// draft model only.
     pub fn set_pipelining(&mut self, on: bool) {
         self.pipelining = on;
+    }
+
+    /// Adds the context lookup's chain (see [`ContextLookup`]) to every round's tree, whatever
+    /// drafts it (root-only trees included: then the lookup is the only draft).
+    pub fn set_context_lookup(&mut self, lookup: Option<ContextLookup>) {
+        self.lookup = lookup;
     }
 
     /// Adds `rtt` of waiting to every round: an in-process stand-in for a slower network, so the
@@ -134,6 +144,9 @@ impl Client {
                     tree
                 }
                 (_, Drafting::None) => TokenTree::root(*committed.last().expect("never empty")),
+                (_, Drafting::Tree { speculator, .. }) if !speculator.drafts_next() => {
+                    TokenTree::root(*committed.last().expect("never empty"))
+                }
                 (_, Drafting::Tree { speculator, drafts }) if drafts.len() == 1 => {
                     // Catching the draft up on the committed tokens (the whole prompt, in the
                     // first round) is not part of the per-level cost the adaptive depth weighs.
@@ -145,11 +158,23 @@ impl Client {
                     speculator.draft_merged(drafts, &committed)?
                 }
             };
-            let draft_s = drafted.elapsed().as_secs_f64();
-            let (tree_depth, tree_nodes) = (
-                tree.depths().into_iter().max().unwrap_or(0) as usize,
+            // The draft model's part of the tree (its nodes come first in the sent tree) is what
+            // the adaptive depth learns from; the lookup's nodes only add to the verify cost.
+            let (model_nodes, model_depth) = (
                 tree.len(),
+                tree.depths().into_iter().max().unwrap_or(0) as usize,
             );
+            let tree = match &self.lookup {
+                Some(lookup) => lookup.extend(
+                    tree,
+                    &committed,
+                    session.limits().max_tree_nodes as usize,
+                    params.mode == VerifyMode::Stochastic,
+                ),
+                None => tree,
+            };
+            let draft_s = drafted.elapsed().as_secs_f64();
+            let tree_nodes = tree.len();
             let sent = Instant::now();
             let in_flight = self.pipelining.then(|| tree.clone());
             let verdict = match session.send_tree(tree).await {
@@ -157,7 +182,7 @@ impl Client {
                     if let (Some(t), Drafting::Tree { speculator, drafts }) =
                         (&in_flight, &mut drafting)
                     {
-                        if drafts.len() == 1 {
+                        if drafts.len() == 1 && speculator.drafts_next() {
                             // A failed guess (say, the context is full) only loses the head start.
                             ahead = speculator.draft_ahead(&mut *drafts[0], &committed, t).ok();
                         }
@@ -169,11 +194,27 @@ impl Client {
             };
             match verdict {
                 Ok(v) => {
+                    let model_accepted = v
+                        .accepted_nodes
+                        .iter()
+                        .take_while(|&&n| (n as usize) < model_nodes)
+                        .count();
+                    g.lookup_accepted += v.accepted_nodes.len() - model_accepted;
+                    tracing::debug!(
+                        model_depth,
+                        tree_nodes,
+                        model_accepted,
+                        accepted = v.accepted_nodes.len(),
+                        draft_ms = draft_s * 1e3,
+                        round_ms = sent.elapsed().as_secs_f64() * 1e3,
+                        forward_ms = v.stats.forward_us as f64 * 1e-3,
+                        "round"
+                    );
                     if let Drafting::Tree { speculator, .. } = &mut drafting {
                         speculator.observe(RoundObservation {
-                            tree_depth,
+                            tree_depth: model_depth,
                             tree_nodes,
-                            accepted: v.accepted_nodes.len(),
+                            accepted: model_accepted,
                             draft_s,
                             round_s: sent.elapsed().as_secs_f64(),
                             forward_s: v.stats.forward_us as f64 * 1e-6,

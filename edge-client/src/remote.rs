@@ -223,6 +223,11 @@ impl RemoteSession {
         self.resume_token
     }
 
+    /// The verifier's limits (from its hello): what a tree sent on this session may hold.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
     /// Sends one tree and waits for the verdict.
     pub async fn verify(&mut self, tree: TokenTree) -> Result<Verified, RemoteError> {
         self.send_tree(tree).await?;

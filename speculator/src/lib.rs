@@ -3,9 +3,11 @@
 //! (`specinfer-edge`) and the browser build (`specinfer-wasm`) both use it as is.
 
 pub mod draft;
+pub mod lookup;
 pub mod speculator;
 
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
+pub use lookup::ContextLookup;
 pub use speculator::{
     merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape, PLAIN_EXPLORE,
 };

@@ -105,12 +105,31 @@ impl Speculator {
         self.depth.best_depth()
     }
 
+    /// Whether the next tree will hold drafted nodes. When it will be the root alone (the
+    /// adaptive depth chose plain decoding), [`Speculator::draft`] does not run the draft model
+    /// at all, not even to catch up on the committed tokens: that would cost one draft forward
+    /// per round for nothing, and the next drafted round catches up on them in one batch.
+    pub fn drafts_next(&self) -> bool {
+        match &self.shape {
+            TreeShape::Expansion(e) => e.first().is_some_and(|&k| k > 0),
+            TreeShape::Adaptive(e) => {
+                self.depth.best_depth() > 0 && e.first().is_some_and(|&k| k > 0)
+            }
+            TreeShape::Dynamic { budget } => *budget > 0,
+        }
+    }
+
     /// Drafts the next tree after `committed` (its root is `committed`'s last token).
     pub fn draft(
         &mut self,
         model: &mut dyn DraftModel,
         committed: &[u32],
     ) -> Result<TokenTree, ModelError> {
+        if !self.drafts_next() {
+            return Ok(TokenTree::root(
+                *committed.last().expect("committed tokens are never empty"),
+            ));
+        }
         model.sync(committed)?;
         match self.shape.clone() {
             TreeShape::Expansion(expansion) => self.expand(model, committed, &expansion),

@@ -223,3 +223,51 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
         TreeShape::Adaptive(vec![1, 1, 3])
     );
 }
+
+/// Counts what the speculator asks of its draft model.
+#[derive(Default)]
+struct Counting {
+    calls: usize,
+}
+
+impl DraftModel for Counting {
+    fn sync(&mut self, _: &[u32]) -> Result<(), ModelError> {
+        self.calls += 1;
+        Ok(())
+    }
+
+    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.calls += 1;
+        Toy.extend(tree, first)
+    }
+}
+
+#[test]
+fn plain_decoding_rounds_leave_the_draft_model_alone() {
+    let mut s = Speculator::with_shape(TreeShape::Adaptive(vec![1; 8]), DraftMode::Greedy, 0);
+    let mut model = Counting::default();
+    assert!(s.drafts_next(), "a fresh adaptive speculator drafts");
+    assert_eq!(s.draft(&mut model, &[1, 2, 3]).unwrap().len(), 9);
+    // A draft never right on a slow verifier: the controller turns drafting off.
+    for _ in 0..40 {
+        let depth = s.adaptive_depth();
+        s.observe(round(depth, 0, 0.0, 0.05, 0.01));
+    }
+    let (mut plain, mut calls_in_plain) = (0, 0);
+    for _ in 0..specinfer_speculator::PLAIN_EXPLORE {
+        let before = model.calls;
+        let drafting = s.drafts_next();
+        let tree = s.draft(&mut model, &[1, 2, 3]).unwrap();
+        assert_eq!(drafting, tree.len() > 1);
+        if !drafting {
+            plain += 1;
+            calls_in_plain += model.calls - before;
+        }
+        s.observe(round(tree.len() - 1, 0, 0.0, 0.05, 0.01));
+    }
+    assert!(plain >= specinfer_speculator::PLAIN_EXPLORE - 1, "{plain} plain rounds");
+    assert_eq!(calls_in_plain, 0, "plain rounds ran the draft model");
+    // A fixed expansion always drafts.
+    let fixed = Speculator::new(vec![1, 1], DraftMode::Greedy, 0);
+    assert!(fixed.drafts_next());
+}

@@ -2,9 +2,10 @@
 //!
 //! The stand-in drafter is the LLM itself with seeded noise on its logits: it proposes the LLM's
 //! own top-k, but often in the wrong order, so rounds accept through later siblings, reject at
-//! every depth, and exercise KV compaction of non-trivial paths.
+//! every depth, and exercise KV compaction of non-trivial paths. Each prompt runs once more with
+//! the context lookup's chain added to every tree.
 
-use specinfer_edge::{DraftMode, Speculator};
+use specinfer_edge::{ContextLookup, DraftMode, Speculator};
 use specinfer_integration::{smollm2, NoisyDraft};
 use specinfer_model::{ChatMessage, Llama};
 use specinfer_verifier::Session;
@@ -23,6 +24,7 @@ fn speculative_greedy_equals_incremental_greedy_on_smollm2() {
         "Translate 'good morning' into Spanish and German.",
     ];
     let (mut rounds, mut tokens, mut accepted_later_sibling) = (0usize, 0usize, 0usize);
+    let mut accepted_from_lookup = 0usize;
     for (i, prompt) in prompts.iter().enumerate() {
         let ids = tok
             .encode(&tok.chat_prompt(&[ChatMessage::new("user", prompt)]))
@@ -36,32 +38,49 @@ fn speculative_greedy_equals_incremental_greedy_on_smollm2() {
                 .unwrap();
         }
 
-        let mut spec = Session::open(llm, &ids, params, &limits).unwrap();
-        let mut speculator = Speculator::new(vec![2, 2, 1, 1], DraftMode::Greedy, i as u64);
-        let mut draft = NoisyDraft::new(llm, i as u64, 2.5);
-        while spec.finish().is_none() {
-            let tree = speculator.draft(&mut draft, spec.tokens()).unwrap();
-            let out = spec.verify(llm, &limits, &tree).unwrap();
-            let children = tree.children();
-            accepted_later_sibling += out
-                .accepted_nodes
-                .iter()
-                .filter(|&&n| children[tree.parent(n as usize).unwrap()][0] != n)
-                .count();
-            rounds += 1;
+        // With and without the context lookup's chain after the draft's nodes.
+        for lookup in [None, Some(ContextLookup::default())] {
+            let mut spec = Session::open(llm, &ids, params.clone(), &limits).unwrap();
+            let mut speculator = Speculator::new(vec![2, 2, 1, 1], DraftMode::Greedy, i as u64);
+            let mut draft = NoisyDraft::new(llm, i as u64, 2.5);
+            while spec.finish().is_none() {
+                let drafted = speculator.draft(&mut draft, spec.tokens()).unwrap();
+                let model_nodes = drafted.len();
+                let tree = match &lookup {
+                    Some(l) => l.extend(drafted, spec.tokens(), 256, false),
+                    None => drafted,
+                };
+                let out = spec.verify(llm, &limits, &tree).unwrap();
+                let children = tree.children();
+                accepted_later_sibling += out
+                    .accepted_nodes
+                    .iter()
+                    .filter(|&&n| children[tree.parent(n as usize).unwrap()][0] != n)
+                    .count();
+                accepted_from_lookup += out
+                    .accepted_nodes
+                    .iter()
+                    .filter(|&&n| n as usize >= model_nodes)
+                    .count();
+                rounds += 1;
+            }
+            assert_eq!(spec.generated().len(), 64);
+            assert_eq!(
+                spec.generated(),
+                inc.generated(),
+                "prompt {prompt:?} (lookup {lookup:?}): speculative output differs"
+            );
         }
-        assert_eq!(spec.generated().len(), 64);
-        assert_eq!(
-            spec.generated(),
-            inc.generated(),
-            "prompt {prompt:?}: speculative output differs"
-        );
-        tokens += 64;
+        tokens += 2 * 64;
     }
-    println!("{tokens} tokens in {rounds} rounds (tau {:.2}); {accepted_later_sibling} acceptances through a non-first sibling", tokens as f64 / rounds as f64);
+    println!("{tokens} tokens in {rounds} rounds (tau {:.2}); {accepted_later_sibling} acceptances through a non-first sibling, {accepted_from_lookup} of lookup nodes", tokens as f64 / rounds as f64);
     assert!(rounds < tokens, "speculation never accepted a draft");
     assert!(
         accepted_later_sibling > 0,
         "the test did not exercise non-trivial paths"
+    );
+    assert!(
+        accepted_from_lookup > 0,
+        "no lookup node was ever accepted: the lookup path went untested"
     );
 }

@@ -16,9 +16,21 @@ async fn generate(
     params: SamplingParams,
     tree: Option<(Vec<usize>, DraftMode, u64)>,
 ) -> Generation {
-    let (llm, _) = smollm2();
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    let g = match tree {
+    let g = generate_on(&mut client, prompt, params, tree).await;
+    client.shutdown().await;
+    g
+}
+
+/// One generation on `client`: incremental, or with trees of `expansion` from a noisy SmolLM2.
+async fn generate_on(
+    client: &mut Client,
+    prompt: &[u32],
+    params: SamplingParams,
+    tree: Option<(Vec<usize>, DraftMode, u64)>,
+) -> Generation {
+    let (llm, _) = smollm2();
+    match tree {
         None => client
             .generate(prompt, params, Drafting::None, |_| {})
             .await
@@ -39,9 +51,7 @@ async fn generate(
                 .await
                 .unwrap()
         }
-    };
-    client.shutdown().await;
-    g
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,6 +126,60 @@ async fn seeded_sampling_over_quic_is_reproducible() {
         "different seeds gave the same 32 sampled tokens"
     );
     println!("sampled: tau {:.2}", 32.0 / a.rounds as f64);
+    server.shutdown().await;
+}
+
+/// The client's context lookup over QUIC: alone (root-only trees) and beside a draft tree, greedy
+/// output stays the LLM's own, and sampled sessions accept its point-mass chains (a sampled tree
+/// without proposals would be refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() {
+    use specinfer_edge::ContextLookup;
+    let (server, remote) = start_verifier(EngineConfig::default());
+    let ids = chat_ids("Repeat the sentence 'The cat sat on the mat.' five times.");
+    let greedy = SamplingParams::greedy(48);
+    let reference = generate(&remote, &ids, greedy.clone(), None).await;
+    let sampled = SamplingParams {
+        mode: VerifyMode::Stochastic,
+        temperature: 0.5,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 5,
+        max_new_tokens: 48,
+        stop_ids: Vec::new(),
+    };
+    let sample_draft = DraftMode::Sample {
+        temperature: 0.5,
+        top_p: 1.0,
+        top_k: 8,
+        draw: DrawMode::Iid,
+    };
+    let mut client = Client::connect(remote.clone()).await.unwrap();
+    client.set_context_lookup(Some(ContextLookup::default()));
+    for (params, mode) in [(greedy, DraftMode::Greedy), (sampled, sample_draft)] {
+        let alone = generate_on(&mut client, &ids, params.clone(), None).await;
+        let tree = Some((vec![1, 2, 1], mode, 9));
+        let with_tree = generate_on(&mut client, &ids, params.clone(), tree).await;
+        for (what, g) in [("lookup alone", &alone), ("lookup and tree", &with_tree)] {
+            println!(
+                "{:?} {what}: {} rounds, {} tokens from the lookup",
+                params.mode, g.rounds, g.lookup_accepted
+            );
+            assert_eq!(g.token_ids.len(), 48);
+            if params.mode == VerifyMode::Greedy {
+                assert_eq!(
+                    g.token_ids, reference.token_ids,
+                    "{what} changed the output"
+                );
+            }
+        }
+        assert!(
+            alone.lookup_accepted > 0 && alone.rounds < 48,
+            "{:?}: the lookup alone never got a token accepted on an answer that repeats a sentence",
+            params.mode
+        );
+    }
+    client.shutdown().await;
     server.shutdown().await;
 }
 

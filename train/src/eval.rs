@@ -8,6 +8,8 @@ use specinfer_kernels::sampling::distribution;
 use specinfer_model::{KvCache, Llama, SeqTree};
 use specinfer_wire::{Limits, SamplingParams, TokenTree};
 
+use specinfer_edge::ContextLookup;
+
 use crate::teacher::Example;
 
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -24,6 +26,8 @@ pub struct Report {
     /// Mean tokens per round of greedy speculation with the paper's tree, SSM drafting and the
     /// LLM verifying.
     pub tau_paper_tree: f64,
+    /// The same with the context lookup's chain added to every tree (`ContextLookup::default`).
+    pub tau_paper_tree_with_lookup: f64,
     pub tau_prompts: usize,
 }
 
@@ -143,8 +147,9 @@ pub fn alignment(
 }
 
 /// Greedy speculation with the paper's tree on every example's prompt, `max_new` tokens each,
-/// drafting with every SSM and merging their trees. All held-out prompts, not a few: tau moves
-/// by a few hundredths between models, and ten prompts' answers varied more than that.
+/// drafting with every SSM and merging their trees, with and without the context lookup's chain.
+/// All held-out prompts, not a few: tau moves by a few hundredths between models, and ten
+/// prompts' answers varied more than that.
 pub fn tau(
     llm: &Llama,
     ssms: &[&Llama],
@@ -152,6 +157,21 @@ pub fn tau(
     max_new: u32,
     report: &mut Report,
 ) -> Result<()> {
+    report.tau_paper_tree = tau_with(llm, ssms, examples, max_new, None)?;
+    report.tau_paper_tree_with_lookup =
+        tau_with(llm, ssms, examples, max_new, Some(ContextLookup::default()))?;
+    report.tau_prompts = examples.len();
+    Ok(())
+}
+
+/// Mean tokens per round of greedy speculation with the paper's tree (plus `lookup`'s chain).
+pub fn tau_with(
+    llm: &Llama,
+    ssms: &[&Llama],
+    examples: &[Example],
+    max_new: u32,
+    lookup: Option<ContextLookup>,
+) -> Result<f64> {
     use specinfer_edge::{CachedDraft, DraftMode, DraftModel, Speculator};
     let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
@@ -170,13 +190,19 @@ pub fn tau(
                 .iter_mut()
                 .map(|d| d as &mut (dyn DraftModel + Send))
                 .collect();
-            let tree = speculator.draft_merged(&mut models, session.tokens())?;
+            let mut tree = speculator.draft_merged(&mut models, session.tokens())?;
+            if let Some(lookup) = &lookup {
+                tree = lookup.extend(
+                    tree,
+                    session.tokens(),
+                    limits.max_tree_nodes as usize,
+                    false,
+                );
+            }
             let out = session.verify(llm, &limits, &tree)?;
             tokens += out.tokens.len();
             rounds += 1;
         }
     }
-    report.tau_paper_tree = tokens as f64 / rounds.max(1) as f64;
-    report.tau_prompts = examples.len();
-    Ok(())
+    Ok(tokens as f64 / rounds.max(1) as f64)
 }

@@ -10,7 +10,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 use specinfer_model::{ChatMessage, Llama, Tokenizer};
-use specinfer_speculator::{CachedDraft, DraftMode, DraftModel, Speculator, TreeShape};
+use specinfer_speculator::{
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Speculator, TreeShape,
+};
 use specinfer_wire::{
     decode_frame, encode_frame, frame_len, ClientHello, FinishReason, Limits, Message, OpenSession,
     SamplingParams, TokenTree, Verify, FRAME_HEADER_BYTES, PROTOCOL_VERSION,
@@ -183,6 +185,12 @@ impl BrowserClient {
         let tree: TokenTree = self
             .speculator
             .draft(&mut self.draft as &mut dyn DraftModel, &self.committed)?;
+        let tree = ContextLookup::default().extend(
+            tree,
+            &self.committed,
+            self.limits.max_tree_nodes as usize,
+            false,
+        );
         self.draft_ms += now_ms() - t0;
         self.drafted_nodes += tree.len();
         self.in_flight = true;

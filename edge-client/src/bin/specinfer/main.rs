@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_edge::{
-    CachedDraft, Client, DraftMode, DraftModel, Drafting, EmbeddedVerifier, Generation, OnnxModel,
-    RemoteConfig, Speculator, TreeScorer, TreeShape,
+    CachedDraft, Client, ContextLookup, DraftMode, DraftModel, Drafting, EmbeddedVerifier,
+    Generation, OnnxModel, RemoteConfig, Speculator, TreeScorer, TreeShape,
 };
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
 use specinfer_verifier::engine::EngineConfig;
@@ -127,6 +127,12 @@ struct CommonArgs {
     /// long next to drafting; with one --ssm only.
     #[arg(long)]
     pipeline: bool,
+    /// Context lookup: add to every tree the N tokens that followed the latest earlier
+    /// occurrence of the conversation's last 2 to 4 tokens (prompt lookup: free to draft, and
+    /// accepted where the answer quotes the question or repeats itself). Works with every
+    /// --tree, "none" included; 0 turns it off.
+    #[arg(long, default_value_t = ContextLookup::default().max_tokens)]
+    lookup: usize,
 }
 
 #[derive(clap::Args)]
@@ -160,6 +166,8 @@ struct Report<'a> {
     bytes_down: usize,
     verifier_forward_ms: f64,
     reconnects: usize,
+    /// Accepted tokens that only the context lookup proposed.
+    lookup_accepted: usize,
 }
 
 fn main() -> Result<()> {
@@ -230,6 +238,7 @@ struct Setup {
     _embedded: Option<EmbeddedVerifier>,
     raw: bool,
     pipeline: bool,
+    lookup: Option<ContextLookup>,
 }
 
 fn setup(a: &CommonArgs) -> Result<Setup> {
@@ -359,6 +368,10 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         _embedded: embedded,
         raw: a.raw,
         pipeline: a.pipeline,
+        lookup: (a.lookup > 0).then(|| ContextLookup {
+            max_tokens: a.lookup,
+            ..ContextLookup::default()
+        }),
     })
 }
 
@@ -366,6 +379,7 @@ impl Setup {
     async fn client(&self) -> Result<Client> {
         let mut client = Client::connect(self.remote.clone()).await?;
         client.set_pipelining(self.pipeline);
+        client.set_context_lookup(self.lookup);
         Ok(client)
     }
 
@@ -446,12 +460,13 @@ impl Setup {
 
 fn summary(g: &Generation) -> String {
     format!(
-        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds, tau {:.2} tokens/round, first token after {:.0} ms]",
+        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds, tau {:.2} tokens/round ({} drafted by the lookup), first token after {:.0} ms]",
         g.token_ids.len(),
         g.wall.as_secs_f64(),
         g.token_ids.len() as f64 / g.wall.as_secs_f64(),
         g.rounds,
         g.token_ids.len() as f64 / g.rounds.max(1) as f64,
+        g.lookup_accepted,
         g.ttft.as_secs_f64() * 1e3
     )
 }
@@ -517,6 +532,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     bytes_down: g.bytes_down,
                     verifier_forward_ms: g.verifier_forward.as_secs_f64() * 1e3,
                     reconnects: g.reconnects,
+                    lookup_accepted: g.lookup_accepted,
                 };
                 println!("{}", serde_json::to_string(&report)?);
             } else {
