@@ -8,7 +8,7 @@ use specinfer_model::ModelError;
 use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree, VerifyMode};
 
 use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-use crate::{ContextLookup, DraftModel, RoundObservation, Speculator};
+use crate::{AdaptiveLookup, ContextLookup, DraftModel, RoundObservation, Speculator};
 
 /// Variants that wrap another error say it in their message and do not also give it as their
 /// `source`, so a printed chain of causes says it once.
@@ -91,7 +91,9 @@ impl Client {
     }
 
     /// Adds the context lookup's chain (see [`ContextLookup`]) to every round's tree, whatever
-    /// drafts it (root-only trees included: then the lookup is the only draft).
+    /// drafts it (root-only trees included: then the lookup is the only draft), cut to the
+    /// length that measured acceptance and costs make pay ([`AdaptiveLookup`]); `max_tokens`
+    /// is the longest chain.
     pub fn set_context_lookup(&mut self, lookup: Option<ContextLookup>) {
         self.lookup = lookup;
     }
@@ -136,6 +138,7 @@ impl Client {
             .await?;
         // A tree drafted ahead, and the committed tokens it assumed.
         let mut ahead: Option<(Vec<u32>, TokenTree)> = None;
+        let mut lookup = self.lookup.map(AdaptiveLookup::new);
         loop {
             let mut drafted = Instant::now();
             let tree = match (ahead.take(), &mut drafting) {
@@ -164,7 +167,7 @@ impl Client {
                 tree.len(),
                 tree.depths().into_iter().max().unwrap_or(0) as usize,
             );
-            let tree = match &self.lookup {
+            let tree = match &mut lookup {
                 Some(lookup) => lookup.extend(
                     tree,
                     &committed,
@@ -200,24 +203,29 @@ impl Client {
                         .take_while(|&&n| (n as usize) < model_nodes)
                         .count();
                     g.lookup_accepted += v.accepted_nodes.len() - model_accepted;
+                    let round_s = sent.elapsed().as_secs_f64();
+                    let forward_s = v.stats.forward_us as f64 * 1e-6;
                     tracing::debug!(
                         model_depth,
                         tree_nodes,
                         model_accepted,
                         accepted = v.accepted_nodes.len(),
                         draft_ms = draft_s * 1e3,
-                        round_ms = sent.elapsed().as_secs_f64() * 1e3,
-                        forward_ms = v.stats.forward_us as f64 * 1e-3,
+                        round_ms = round_s * 1e3,
+                        forward_ms = forward_s * 1e3,
                         "round"
                     );
+                    if let Some(lookup) = &mut lookup {
+                        lookup.observe(&v.tokens, tree_nodes, round_s, forward_s);
+                    }
                     if let Drafting::Tree { speculator, .. } = &mut drafting {
                         speculator.observe(RoundObservation {
                             tree_depth: model_depth,
                             tree_nodes,
                             accepted: model_accepted,
                             draft_s,
-                            round_s: sent.elapsed().as_secs_f64(),
-                            forward_s: v.stats.forward_us as f64 * 1e-6,
+                            round_s,
+                            forward_s,
                         });
                     }
                     if g.rounds == 0 {

@@ -14,4 +14,6 @@ pub use specinfer_speculator::{draft, speculator};
 pub use specinfer_speculator::{
     merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape,
 };
-pub use specinfer_speculator::{CachedDraft, ContextLookup, DraftModel, TreeScorer};
+pub use specinfer_speculator::{
+    AdaptiveLookup, CachedDraft, ContextLookup, DraftModel, TreeScorer,
+};

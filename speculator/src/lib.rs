@@ -7,7 +7,7 @@ pub mod lookup;
 pub mod speculator;
 
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
-pub use lookup::ContextLookup;
+pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use speculator::{
     merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape, PLAIN_EXPLORE,
 };

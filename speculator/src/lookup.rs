@@ -6,6 +6,8 @@
 
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
+use crate::{DepthController, RoundObservation};
+
 /// Proposes the continuation of the latest earlier occurrence of the context's last tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextLookup {
@@ -117,6 +119,72 @@ impl ContextLookup {
     }
 }
 
+/// A [`ContextLookup`] whose chain is cut to the length that pays, learned per generation by
+/// the same cost model as the adaptive tree depth ([`DepthController`]): how often the LLM keeps
+/// the copied token at each chain depth, and what each verified node costs. Next to a fast
+/// verifier (one machine) short chains win, behind a round trip long ones do; a length of 0
+/// (no chain) is chosen when even one copied token does not pay, with a chain tried again now
+/// and then. The acceptance counts a chain token however it was accepted, through the chain's
+/// node or a draft model's equal one, so with a draft model beside it the lookup's worth is
+/// somewhat overrated.
+pub struct AdaptiveLookup {
+    lookup: ContextLookup,
+    depth: DepthController,
+    /// The chain the last tree carried (`None`: the context held no match, nothing to learn).
+    sent: Option<Vec<u32>>,
+}
+
+impl AdaptiveLookup {
+    pub fn new(lookup: ContextLookup) -> Self {
+        AdaptiveLookup {
+            lookup,
+            depth: DepthController::new(lookup.max_tokens),
+            sent: None,
+        }
+    }
+
+    /// [`ContextLookup::extend`] with the chain cut to the measured length.
+    pub fn extend(
+        &mut self,
+        tree: TokenTree,
+        context: &[u32],
+        max_nodes: usize,
+        sampled: bool,
+    ) -> TokenTree {
+        let lookup = ContextLookup {
+            max_tokens: self.depth.best_depth(),
+            ..self.lookup
+        };
+        let matched = !self.lookup.continuation(context).is_empty();
+        self.sent = matched.then(|| lookup.continuation(context).to_vec());
+        lookup.extend(tree, context, max_nodes, sampled)
+    }
+
+    /// What came of the tree [`AdaptiveLookup::extend`] returned last: the tokens the round
+    /// committed (accepted drafts, then the LLM's own), and the round's measured costs
+    /// (`tree_nodes` and the times as in [`RoundObservation`]).
+    pub fn observe(&mut self, committed: &[u32], tree_nodes: usize, round_s: f64, forward_s: f64) {
+        let Some(chain) = self.sent.take() else {
+            return;
+        };
+        // Past an accepted prefix of the chain the LLM emitted its own token, which differs
+        // from the chain's next one (else that node would have been accepted).
+        let accepted = chain
+            .iter()
+            .zip(committed)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.depth.observe(RoundObservation {
+            tree_depth: chain.len(),
+            tree_nodes,
+            accepted,
+            draft_s: 0.0,
+            round_s,
+            forward_s,
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,5 +271,44 @@ mod tests {
         assert_eq!(out.proposals().unwrap().drawn_from, vec![0, 1]);
         let out = lookup(2).extend(TokenTree::root(6), &[1, 6, 7, 8, 2, 1, 6], 64, false);
         assert!(out.proposals().is_none());
+    }
+
+    #[test]
+    fn the_adaptive_chain_shrinks_when_copies_are_rejected_and_stays_when_kept() {
+        // "1 2" recurs, followed by 3 4 5 6 7 8.
+        let ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
+        let round = |adaptive: &mut AdaptiveLookup, kept: &[u32]| {
+            let tree = adaptive.extend(TokenTree::root(2), &ctx, 64, false);
+            let chain = tree.len() - 1;
+            // Verification costs 1 ms per node on top of 4 ms, no round trip.
+            let forward = 0.004 + 0.001 * tree.len() as f64;
+            adaptive.observe(kept, tree.len(), forward, forward);
+            chain
+        };
+        // The LLM never keeps a copied token: the chain goes, but is tried now and then.
+        let mut never = AdaptiveLookup::new(ContextLookup::default());
+        let lengths: Vec<usize> = (0..64).map(|_| round(&mut never, &[0])).collect();
+        assert_eq!(lengths[0], 6, "a fresh lookup starts with the whole chain");
+        let tail = &lengths[32..];
+        assert!(
+            tail.iter().filter(|&&n| n == 0).count() >= tail.len() - 3,
+            "{lengths:?}"
+        );
+        assert!(
+            tail.iter().any(|&n| n > 0),
+            "the chain is never retried: {lengths:?}"
+        );
+        // The LLM keeps every copied token: the whole chain stays.
+        let mut always = AdaptiveLookup::new(ContextLookup::default());
+        let lengths: Vec<usize> = (0..64)
+            .map(|_| round(&mut always, &[3, 4, 5, 6, 7, 8, 0]))
+            .collect();
+        assert!(lengths[32..].iter().all(|&n| n == 6), "{lengths:?}");
+        // A context without a match teaches nothing.
+        let mut idle = AdaptiveLookup::new(ContextLookup::default());
+        let tree = idle.extend(TokenTree::root(5), &[1, 2, 3, 4, 5], 64, false);
+        assert_eq!(tree.len(), 1);
+        idle.observe(&[0], 1, 0.005, 0.005);
+        assert_eq!(idle.depth.best_depth(), 6);
     }
 }

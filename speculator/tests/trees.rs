@@ -265,7 +265,10 @@ fn plain_decoding_rounds_leave_the_draft_model_alone() {
         }
         s.observe(round(tree.len() - 1, 0, 0.0, 0.05, 0.01));
     }
-    assert!(plain >= specinfer_speculator::PLAIN_EXPLORE - 1, "{plain} plain rounds");
+    assert!(
+        plain >= specinfer_speculator::PLAIN_EXPLORE - 1,
+        "{plain} plain rounds"
+    );
     assert_eq!(calls_in_plain, 0, "plain rounds ran the draft model");
     // A fixed expansion always drafts.
     let fixed = Speculator::new(vec![1, 1], DraftMode::Greedy, 0);
