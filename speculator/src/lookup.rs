@@ -62,61 +62,65 @@ impl ContextLookup {
     /// most `max_nodes` nodes (the verifier's tree limit); the chain is cut to fit.
     pub fn extend(
         &self,
-        mut tree: TokenTree,
+        tree: TokenTree,
         context: &[u32],
         max_nodes: usize,
         sampled: bool,
     ) -> TokenTree {
-        let chain = self.continuation(context);
         debug_assert_eq!(context.last().copied(), Some(tree.token(0)));
-        let room = max_nodes.saturating_sub(tree.len());
-        let proposals = tree.proposals().cloned().or_else(|| {
-            // A root-only tree drafted for sampling: one draw per proposal, so either mode.
-            sampled.then(|| Proposals {
-                mode: DrawMode::Iid,
-                dists: Vec::new(),
-                drawn_from: Vec::new(),
-            })
-        });
-        let Some(mut proposals) = proposals else {
-            let children = tree.children();
-            let mut node = 0u32;
-            let mut rest = chain;
-            while let Some((&t, tail)) = rest.split_first() {
-                match children[node as usize]
-                    .iter()
-                    .find(|&&c| tree.token(c as usize) == t)
-                {
-                    Some(&c) => {
-                        node = c;
-                        rest = tail;
-                    }
-                    None => break,
-                }
-            }
-            // Shared tokens take no room: only the chain's new part is cut to fit.
-            for &t in &rest[..rest.len().min(room)] {
-                node = tree.push(node, t);
-            }
-            return tree;
-        };
-        let chain = &chain[..chain.len().min(room)];
-        if chain.is_empty() {
-            return tree;
-        }
-        let mut node = 0u32;
-        for &t in chain {
-            proposals.dists.push(SparseDist {
-                node,
-                ids: vec![t],
-                probs: vec![1.0],
-            });
-            node = tree.push(node, t);
-            proposals.drawn_from.push(proposals.dists.len() as u32 - 1);
-        }
-        tree.with_proposals(proposals)
-            .expect("a point-mass chain keeps the tree's proposals consistent")
+        add_chain(tree, self.continuation(context), max_nodes, sampled)
     }
+}
+
+/// [`ContextLookup::extend`] for a given chain.
+fn add_chain(mut tree: TokenTree, chain: &[u32], max_nodes: usize, sampled: bool) -> TokenTree {
+    let room = max_nodes.saturating_sub(tree.len());
+    let proposals = tree.proposals().cloned().or_else(|| {
+        // A root-only tree drafted for sampling: one draw per proposal, so either mode.
+        sampled.then(|| Proposals {
+            mode: DrawMode::Iid,
+            dists: Vec::new(),
+            drawn_from: Vec::new(),
+        })
+    });
+    let Some(mut proposals) = proposals else {
+        let children = tree.children();
+        let mut node = 0u32;
+        let mut rest = chain;
+        while let Some((&t, tail)) = rest.split_first() {
+            match children[node as usize]
+                .iter()
+                .find(|&&c| tree.token(c as usize) == t)
+            {
+                Some(&c) => {
+                    node = c;
+                    rest = tail;
+                }
+                None => break,
+            }
+        }
+        // Shared tokens take no room: only the chain's new part is cut to fit.
+        for &t in &rest[..rest.len().min(room)] {
+            node = tree.push(node, t);
+        }
+        return tree;
+    };
+    let chain = &chain[..chain.len().min(room)];
+    if chain.is_empty() {
+        return tree;
+    }
+    let mut node = 0u32;
+    for &t in chain {
+        proposals.dists.push(SparseDist {
+            node,
+            ids: vec![t],
+            probs: vec![1.0],
+        });
+        node = tree.push(node, t);
+        proposals.drawn_from.push(proposals.dists.len() as u32 - 1);
+    }
+    tree.with_proposals(proposals)
+        .expect("a point-mass chain keeps the tree's proposals consistent")
 }
 
 /// A [`ContextLookup`] whose chain is cut to the length that pays, learned per generation by
@@ -151,13 +155,11 @@ impl AdaptiveLookup {
         max_nodes: usize,
         sampled: bool,
     ) -> TokenTree {
-        let lookup = ContextLookup {
-            max_tokens: self.depth.best_depth(),
-            ..self.lookup
-        };
-        let matched = !self.lookup.continuation(context).is_empty();
-        self.sent = matched.then(|| lookup.continuation(context).to_vec());
-        lookup.extend(tree, context, max_nodes, sampled)
+        debug_assert_eq!(context.last().copied(), Some(tree.token(0)));
+        let full = self.lookup.continuation(context);
+        let chain = &full[..full.len().min(self.depth.best_depth())];
+        self.sent = (!full.is_empty()).then(|| chain.to_vec());
+        add_chain(tree, chain, max_nodes, sampled)
     }
 
     /// What came of the tree [`AdaptiveLookup::extend`] returned last: the tokens the round
