@@ -268,4 +268,11 @@ impl TreeScorer for OnnxModel {
             })
             .collect())
     }
+
+    fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
+        // The logits (head rows only) are dropped before being spread over the vocabulary.
+        self.run(cache, &TokenTree::chain(tokens), 0)?;
+        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        Ok(())
+    }
 }

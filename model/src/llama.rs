@@ -243,10 +243,22 @@ impl Llama {
         // worker of that pool, each split is a local push that the other workers steal while
         // still spinning; run from outside, each would be a cross-thread injection and a
         // blocking wait (about 300 per forward of SmolLM2).
-        rayon::scope(|_| self.forward_in_pool(seqs))
+        rayon::scope(|_| self.forward_in_pool(seqs, true))
     }
 
-    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>]) -> Result<Vec<Logits>> {
+    /// Runs `tokens` as a chain on top of the cache and commits them, computing no logits: a
+    /// draft model catching up on committed tokens needs only their K/V, and its head (with the
+    /// restricted head, a row of the whole vocabulary per token) would cost more than its layers.
+    pub fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<()> {
+        let tree = TokenTree::chain(tokens);
+        rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], false))?;
+        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        Ok(())
+    }
+
+    /// The forward of [`Llama::forward`]; without `logits` it stops after the last layer and
+    /// returns empty logits.
+    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>], logits: bool) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let (d, hd) = (cfg.d_model, cfg.head_dim);
         let shape = AttentionShape {
@@ -335,6 +347,16 @@ impl Llama {
             let down = layer.down.forward(&g, rows)?;
             x.iter_mut().zip(&down).for_each(|(x, y)| *x += y);
         }
+        let vocab = cfg.vocab_size;
+        if !logits {
+            return Ok(seqs
+                .iter()
+                .map(|_| Logits {
+                    data: Vec::new(),
+                    vocab,
+                })
+                .collect());
+        }
         let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
         let mut logits = self.lm_head.forward(&h, rows)?;
         if let Some(ids) = &self.head_ids {
@@ -348,7 +370,6 @@ impl Llama {
         }
 
         // Each sequence's rows, split off from the end (one sequence: no copy at all).
-        let vocab = cfg.vocab_size;
         let mut out = Vec::with_capacity(seqs.len());
         for s in seqs.iter().rev() {
             let n = s.tree.len() - s.first;

@@ -27,6 +27,14 @@ pub trait TreeScorer: Sync {
         tree: &TokenTree,
         first: usize,
     ) -> Result<Vec<Vec<f32>>, ModelError>;
+
+    /// Runs `tokens` on top of the cache's committed positions and commits them. Their logits
+    /// are not needed (a draft catching up on committed tokens), so a model may skip its head.
+    fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
+        self.score(cache, &TokenTree::chain(tokens), 0)?;
+        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        Ok(())
+    }
 }
 
 impl TreeScorer for Llama {
@@ -48,6 +56,10 @@ impl TreeScorer for Llama {
             .forward(&mut [SeqTree { cache, tree, first }])?
             .remove(0);
         Ok((0..out.nodes()).map(|i| out.node(i).to_vec()).collect())
+    }
+
+    fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
+        Llama::append(self, cache, tokens)
     }
 }
 
@@ -138,10 +150,7 @@ impl DraftModel for CachedDraft<'_> {
         self.cached.truncate(common);
         if want.len() > common {
             let new = &want[common..];
-            self.model
-                .score(&mut self.cache, &TokenTree::chain(new), 0)?;
-            self.cache
-                .compact(&(0..new.len() as u32).collect::<Vec<_>>());
+            self.model.append(&mut self.cache, new)?;
             self.cached.extend_from_slice(new);
         }
         Ok(())
