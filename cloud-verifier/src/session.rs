@@ -275,6 +275,13 @@ pub fn run_batch<M: TreeModel>(
                 _ => unreachable!("only runnable work reaches the forward"),
             })
             .collect();
+        // Prefill chunks need only their K/V (the first round computes the root's logits).
+        let logits: Vec<bool> = work
+            .iter()
+            .zip(&runnable)
+            .filter(|(_, &r)| r)
+            .map(|((_, w), _)| matches!(w, Work::Verify(_)))
+            .collect();
         let mut batch: Vec<(&mut M::Cache, &TokenTree)> = work
             .iter_mut()
             .zip(&runnable)
@@ -282,7 +289,7 @@ pub fn run_batch<M: TreeModel>(
             .zip(&trees)
             .map(|(((s, _), _), tree)| (&mut s.cache, *tree))
             .collect();
-        let forward = model.forward_trees(&mut batch);
+        let forward = model.forward_trees(&mut batch, &logits);
         drop(batch);
         let chosen = work
             .iter_mut()

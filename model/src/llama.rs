@@ -243,7 +243,20 @@ impl Llama {
         // worker of that pool, each split is a local push that the other workers steal while
         // still spinning; run from outside, each would be a cross-thread injection and a
         // blocking wait (about 300 per forward of SmolLM2).
-        rayon::scope(|_| self.forward_in_pool(seqs, true))
+        let all = vec![true; seqs.len()];
+        rayon::scope(|_| self.forward_in_pool(seqs, &all))
+    }
+
+    /// [`Llama::forward`] computing logits only for the sequences whose `logits` entry is true;
+    /// the others get empty logits (a prompt prefill chunk batched with verification trees needs
+    /// only its K/V, and the head is a fifth of SmolLM2's per-token work).
+    pub fn forward_selected(
+        &self,
+        seqs: &mut [SeqTree<'_>],
+        logits: &[bool],
+    ) -> Result<Vec<Logits>> {
+        assert_eq!(seqs.len(), logits.len(), "one logits flag per sequence");
+        rayon::scope(|_| self.forward_in_pool(seqs, logits))
     }
 
     /// Runs `tokens` as a chain on top of the cache and commits them, computing no logits: a
@@ -251,14 +264,14 @@ impl Llama {
     /// restricted head, a row of the whole vocabulary per token) would cost more than its layers.
     pub fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<()> {
         let tree = TokenTree::chain(tokens);
-        rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], false))?;
+        rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], &[false]))?;
         cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
         Ok(())
     }
 
-    /// The forward of [`Llama::forward`]; without `logits` it stops after the last layer and
-    /// returns empty logits.
-    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>], logits: bool) -> Result<Vec<Logits>> {
+    /// The forward of [`Llama::forward_selected`]: the head runs only on the rows of sequences
+    /// whose `want` entry is true.
+    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>], want: &[bool]) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let (d, hd) = (cfg.d_model, cfg.head_dim);
         let shape = AttentionShape {
@@ -348,19 +361,41 @@ impl Llama {
             x.iter_mut().zip(&down).for_each(|(x, y)| *x += y);
         }
         let vocab = cfg.vocab_size;
-        if !logits {
-            return Ok(seqs
-                .iter()
-                .map(|_| Logits {
-                    data: Vec::new(),
-                    vocab,
-                })
-                .collect());
+        let counts: Vec<usize> = seqs.iter().map(|s| s.tree.len() - s.first).collect();
+        let wanted_rows: usize = counts
+            .iter()
+            .zip(want)
+            .filter(|(_, &w)| w)
+            .map(|(n, _)| n)
+            .sum();
+        let mut out: Vec<Logits> = seqs
+            .iter()
+            .map(|_| Logits {
+                data: Vec::new(),
+                vocab,
+            })
+            .collect();
+        if wanted_rows == 0 {
+            return Ok(out);
         }
         let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
-        let mut logits = self.lm_head.forward(&h, rows)?;
+        // The head's input: every row, or (some sequences want no logits) the wanted rows.
+        let h = if wanted_rows == rows {
+            h
+        } else {
+            let mut start = 0;
+            let mut kept = Vec::with_capacity(wanted_rows * d);
+            for (&n, &w) in counts.iter().zip(want) {
+                if w {
+                    kept.extend_from_slice(&h[start * d..(start + n) * d]);
+                }
+                start += n;
+            }
+            kept
+        };
+        let mut logits = self.lm_head.forward(&h, wanted_rows)?;
         if let Some(ids) = &self.head_ids {
-            let mut full = vec![f32::NEG_INFINITY; rows * cfg.vocab_size];
+            let mut full = vec![f32::NEG_INFINITY; wanted_rows * cfg.vocab_size];
             for (r, row) in logits.chunks(ids.len()).enumerate() {
                 for (&t, &l) in ids.iter().zip(row) {
                     full[r * cfg.vocab_size + t as usize] = l;
@@ -369,14 +404,12 @@ impl Llama {
             logits = full;
         }
 
-        // Each sequence's rows, split off from the end (one sequence: no copy at all).
-        let mut out = Vec::with_capacity(seqs.len());
-        for s in seqs.iter().rev() {
-            let n = s.tree.len() - s.first;
-            let data = logits.split_off(logits.len() - n * vocab);
-            out.push(Logits { data, vocab });
+        // Each wanted sequence's rows, split off from the end (one sequence: no copy at all).
+        for ((o, &n), &w) in out.iter_mut().zip(&counts).zip(want).rev() {
+            if w {
+                o.data = logits.split_off(logits.len() - n * vocab);
+            }
         }
-        out.reverse();
         Ok(out)
     }
 

@@ -22,8 +22,14 @@ pub trait TreeModel: Send + Sync {
     fn cache_bytes(cache: &Self::Cache) -> usize;
 
     /// Logits of every node of every sequence's tree, computed in one pass (see
-    /// [`Llama::forward`]); each tree's nodes are left in its cache's scratch region.
-    fn forward_trees(&self, seqs: &mut [(&mut Self::Cache, &TokenTree)]) -> Result<Vec<Logits>>;
+    /// [`Llama::forward`]); each tree's nodes are left in its cache's scratch region. A
+    /// sequence whose `logits` entry is false (a prompt prefill chunk) needs only its K/V: an
+    /// engine may skip its head and return empty logits for it.
+    fn forward_trees(
+        &self,
+        seqs: &mut [(&mut Self::Cache, &TokenTree)],
+        logits: &[bool],
+    ) -> Result<Vec<Logits>>;
 
     /// Keeps the nodes of `path` (strictly increasing node indices of the last tree) as
     /// committed positions and drops the rest of the scratch region.
@@ -49,12 +55,16 @@ impl TreeModel for Llama {
         cache.bytes()
     }
 
-    fn forward_trees(&self, seqs: &mut [(&mut KvCache, &TokenTree)]) -> Result<Vec<Logits>> {
+    fn forward_trees(
+        &self,
+        seqs: &mut [(&mut KvCache, &TokenTree)],
+        logits: &[bool],
+    ) -> Result<Vec<Logits>> {
         let mut batch: Vec<SeqTree> = seqs
             .iter_mut()
             .map(|(cache, tree)| SeqTree::new(cache, tree))
             .collect();
-        self.forward(&mut batch)
+        self.forward_selected(&mut batch, logits)
     }
 
     fn keep_path(&self, cache: &mut KvCache, path: &[u32]) -> Result<()> {
@@ -83,7 +93,12 @@ impl TreeModel for crate::cuda::CudaLlama {
         cache.bytes()
     }
 
-    fn forward_trees(&self, seqs: &mut [(&mut Self::Cache, &TokenTree)]) -> Result<Vec<Logits>> {
+    /// Computes every sequence's logits (the GPU engine does not skip the head yet).
+    fn forward_trees(
+        &self,
+        seqs: &mut [(&mut Self::Cache, &TokenTree)],
+        _logits: &[bool],
+    ) -> Result<Vec<Logits>> {
         let mut batch: Vec<crate::cuda::CudaSeqTree> = seqs
             .iter_mut()
             .map(|(cache, tree)| crate::cuda::CudaSeqTree {

@@ -108,6 +108,15 @@ fn tree_logits_equal_incremental_logits_qwen2_quantized() {
     }
 }
 
+/// One forward's batch: each cache with its sequence's tree.
+fn batch<'a>(caches: &'a mut [KvCache], seqs: &'a [(Vec<u32>, TokenTree)]) -> Vec<SeqTree<'a>> {
+    caches
+        .iter_mut()
+        .zip(seqs)
+        .map(|(cache, (_, tree))| SeqTree::new(cache, tree))
+        .collect()
+}
+
 #[test]
 fn a_packed_batch_equals_each_sequence_alone() {
     let m = Llama::random(ModelConfig::tiny(Arch::Llama), 3, Some(GgmlDType::Q8_0)).unwrap();
@@ -121,20 +130,17 @@ fn a_packed_batch_equals_each_sequence_alone() {
             (prompt, random_tree(&mut rng, vocab))
         })
         .collect();
-    let mut caches: Vec<KvCache> = seqs
-        .iter()
-        .map(|(p, _)| {
-            let mut c = KvCache::new(m.config());
-            m.prefill(&mut c, p).unwrap();
-            c
-        })
-        .collect();
-    let mut batch: Vec<SeqTree> = caches
-        .iter_mut()
-        .zip(&seqs)
-        .map(|(cache, (_, tree))| SeqTree::new(cache, tree))
-        .collect();
-    let batched = m.forward(&mut batch).unwrap();
+    let prefilled = || -> Vec<KvCache> {
+        seqs.iter()
+            .map(|(p, _)| {
+                let mut c = KvCache::new(m.config());
+                m.prefill(&mut c, p).unwrap();
+                c
+            })
+            .collect()
+    };
+    let mut caches = prefilled();
+    let batched = m.forward(&mut batch(&mut caches, &seqs)).unwrap();
     let mut worst = 0f32;
     for ((prompt, tree), got) in seqs.iter().zip(&batched) {
         let mut c = KvCache::new(m.config());
@@ -150,6 +156,36 @@ fn a_packed_batch_equals_each_sequence_alone() {
         }
     }
     println!("batch of 5 vs alone: max abs diff {worst:e}");
+
+    // Logits for some sequences only (prefill chunks batched with trees): the others get none,
+    // and every cache ends up holding the same K/V as with all logits computed.
+    let want = [true, false, true, false, false];
+    let mut selected_caches = prefilled();
+    let selected = m
+        .forward_selected(&mut batch(&mut selected_caches, &seqs), &want)
+        .unwrap();
+    for (i, (((_, tree), got), &w)) in seqs.iter().zip(&selected).zip(&want).enumerate() {
+        if w {
+            for n in 0..tree.len() {
+                assert!(
+                    max_diff(got.node(n), batched[i].node(n)) < TOL,
+                    "seq {i} node {n}"
+                );
+            }
+        } else {
+            assert_eq!(got.nodes(), 0, "seq {i} wanted no logits");
+        }
+    }
+    for (a, b) in caches.iter().zip(&selected_caches) {
+        for layer in 0..m.config().n_layers {
+            let ((ka, va), (kb, vb)) = (a.layer(layer), b.layer(layer));
+            assert_eq!((ka.len(), va.len()), (kb.len(), vb.len()));
+            assert!(
+                max_diff(ka, kb) < TOL && max_diff(va, vb) < TOL,
+                "layer {layer} K/V"
+            );
+        }
+    }
 }
 
 #[test]
