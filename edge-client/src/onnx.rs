@@ -272,7 +272,7 @@ impl TreeScorer for OnnxModel {
     fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
         // The logits (head rows only) are dropped before being spread over the vocabulary.
         self.run(cache, &TokenTree::chain(tokens), 0)?;
-        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        cache.commit_scratch();
         Ok(())
     }
 }

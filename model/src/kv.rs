@@ -72,6 +72,13 @@ impl KvCache {
         self.scratch = 0;
     }
 
+    /// Commits every scratch node in place: after a chain (a prompt, or tokens a draft catches
+    /// up on), whose nodes are already the positions in order.
+    pub fn commit_scratch(&mut self) {
+        self.committed += self.scratch;
+        self.scratch = 0;
+    }
+
     /// Forgets everything after the first `len` committed positions (and the scratch region).
     pub fn rollback(&mut self, len: usize) {
         assert!(len <= self.committed, "cannot roll forward");

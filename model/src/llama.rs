@@ -265,7 +265,7 @@ impl Llama {
     pub fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<()> {
         let tree = TokenTree::chain(tokens);
         rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], &[false]))?;
-        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        cache.commit_scratch();
         Ok(())
     }
 
@@ -418,7 +418,7 @@ impl Llama {
     pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
         let tree = TokenTree::chain(tokens);
         let logits = self.forward(&mut [SeqTree::new(cache, &tree)])?.remove(0);
-        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        cache.commit_scratch();
         Ok(logits.node(tokens.len() - 1).to_vec())
     }
 }

@@ -32,7 +32,7 @@ pub trait TreeScorer: Sync {
     /// are not needed (a draft catching up on committed tokens), so a model may skip its head.
     fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
         self.score(cache, &TokenTree::chain(tokens), 0)?;
-        cache.compact(&(0..tokens.len() as u32).collect::<Vec<_>>());
+        cache.commit_scratch();
         Ok(())
     }
 }

@@ -127,10 +127,11 @@ struct CommonArgs {
     /// long next to drafting; with one --ssm only.
     #[arg(long)]
     pipeline: bool,
-    /// Context lookup: add to every tree the N tokens that followed the latest earlier
+    /// Context lookup: add to every tree up to N tokens that followed the latest earlier
     /// occurrence of the conversation's last 2 to 4 tokens (prompt lookup: free to draft, and
-    /// accepted where the answer quotes the question or repeats itself). Works with every
-    /// --tree, "none" included; 0 turns it off.
+    /// accepted where the answer quotes the question or repeats itself), cut to the length that
+    /// measured acceptance and verification costs make pay. Works with every --tree, "none"
+    /// included; 0 turns it off.
     #[arg(long, default_value_t = ContextLookup::default().max_tokens)]
     lookup: usize,
 }
