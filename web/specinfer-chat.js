@@ -1,4 +1,4 @@
-// <specinfer-chat server="/config.json" tree="adaptive:1,1,3,1,1,1,1,1" max-tokens="256">
+// <specinfer-chat server="/config.json" tree="adaptive:dynamic:32" max-tokens="256">
 //
 // A chat widget for specinfer: a small speculative model drafts token trees right here, in
 // WebAssembly; the verifier (the large model, in the cloud) checks a whole tree per round over
@@ -105,7 +105,7 @@ class SpecinferChat extends HTMLElement {
         fetch(at("/tokenizer.json")).then((r) => r.text()),
         fetch(at("/chat.json")).then((r) => r.text()),
       ]);
-      const tree = this.getAttribute("tree") || "adaptive:1,1,3,1,1,1,1,1";
+      const tree = this.getAttribute("tree") || "adaptive:dynamic:32";
       this.client = new BrowserClient(ssmConfig, new Uint8Array(weights), tokenizer, chat, tree);
       await this.connect();
       this.dispatchEvent(new CustomEvent("ready"));

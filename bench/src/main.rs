@@ -315,6 +315,7 @@ fn main() -> Result<()> {
         }
     };
     let adaptive = TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec());
+    let default_tree = TreeShape::default_greedy();
     // Long round trips make this the slowest section: at most 6 prompts.
     let rtt_prompts = 6;
     for &rtt in rtts {
@@ -334,6 +335,7 @@ fn main() -> Result<()> {
             spec: run(Some(adaptive.clone()), false, false)?,
             piped: run(Some(adaptive.clone()), true, false)?,
             spec_lookup: run(Some(adaptive.clone()), false, true)?,
+            default_lookup: run(Some(default_tree.clone()), false, true)?,
             lookup_alone: run(None, false, true)?,
             inc: run(None, false, false)?,
         });
@@ -391,7 +393,7 @@ fn main() -> Result<()> {
     report.insert(
         "rtt".into(),
         json!(rtt_rows.iter().map(|r| json!({"rtt_ms": r.rtt, "speculative": r.spec.to_json(), "speculative_pipelined": r.piped.to_json(),
-            "speculative_with_lookup": r.spec_lookup.to_json(), "lookup_alone": r.lookup_alone.to_json(), "incremental": r.inc.to_json()})).collect::<Vec<_>>()),
+            "speculative_with_lookup": r.spec_lookup.to_json(), "default_tree_with_lookup": r.default_lookup.to_json(), "lookup_alone": r.lookup_alone.to_json(), "incremental": r.inc.to_json()})).collect::<Vec<_>>()),
     );
     plot_lines(
         &args.out.join("rtt.svg"),
@@ -400,7 +402,14 @@ fn main() -> Result<()> {
         "tokens/s",
         &[
             (
-                "speculative (adaptive tree)",
+                "default tree (adaptive dynamic) + lookup",
+                rtt_rows
+                    .iter()
+                    .map(|r| (r.rtt as f64, r.default_lookup.tokens_per_s()))
+                    .collect(),
+            ),
+            (
+                "speculative (adaptive paper tree)",
                 rtt_rows
                     .iter()
                     .map(|r| (r.rtt as f64, r.spec.tokens_per_s()))
@@ -498,6 +507,8 @@ struct RttRow {
     spec: Run,
     piped: Run,
     spec_lookup: Run,
+    /// The CLI's greedy default: the default tree plus the lookup.
+    default_lookup: Run,
     lookup_alone: Run,
     inc: Run,
 }
@@ -814,11 +825,13 @@ fn markdown(
         "## 5. Tree-based vs sequence-based decoding (paper tree, {} root-to-leaf paths)\n\nOne tree forward: {:.1} ms; one forward per path: {:.1} ms; speed-up {:.2}x.\n\n",
         tvs.2, tvs.0, tvs.1, tvs.1 / tvs.0
     );
-    s += "## 6. Edge/cloud: round-trip time\n\nAdaptive tree; \"+ lookup\": the context lookup's chain added to every tree; \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|\n";
+    s += &format!("## 6. Edge/cloud: round-trip time\n\nThe round trip is added by the client on top of each round's verification. \"speculative\": the paper's tree cut to the depth that pays (`{}`); \"+ lookup\": the context lookup's chain added to every tree; \"default tree + lookup\": what `specinfer` runs in greedy mode (`{}`, a dynamic tree grown while its nodes pay, plus the chain); \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | default tree + lookup | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|---|\n", TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec()), TreeShape::default_greedy());
     for r in rtt {
         s += &format!(
-            "| {} | {:.1} ({:.2}) | {:.1} ({:.0}%) | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} | {:.4} | {:.4} |\n",
+            "| {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} ({:.0}%) | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} | {:.4} | {:.4} |\n",
             r.rtt,
+            r.default_lookup.tokens_per_s(),
+            r.default_lookup.tau(),
             r.spec.tokens_per_s(),
             r.spec.tau(),
             r.piped.tokens_per_s(),

@@ -8,7 +8,7 @@ use specinfer_model::ModelError;
 use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, SamplingParams, TokenTree, VerifyMode};
 
 use crate::remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-use crate::{AdaptiveLookup, ContextLookup, DraftModel, RoundObservation, Speculator};
+use crate::{AdaptiveLookup, ContextLookup, DraftModel, DraftedPart, Speculator};
 
 /// Variants that wrap another error say it in their message and do not also give it as their
 /// `source`, so a printed chain of causes says it once.
@@ -98,8 +98,9 @@ impl Client {
         self.lookup = lookup;
     }
 
-    /// Adds `rtt` of waiting to every round: an in-process stand-in for a slower network, so the
-    /// edge/cloud trade-off can be measured on one machine (benchmarks only).
+    /// Adds `rtt` of waiting to every round, on top of the verifier's forward: an in-process
+    /// stand-in for a slower network, so the edge/cloud trade-off can be measured on one machine
+    /// (benchmarks only).
     pub fn emulate_round_trip(&mut self, rtt: Duration) {
         self.added_rtt = rtt;
     }
@@ -163,10 +164,7 @@ impl Client {
             };
             // The draft model's part of the tree (its nodes come first in the sent tree) is what
             // the adaptive depth learns from; the lookup's nodes only add to the verify cost.
-            let (model_nodes, model_depth) = (
-                tree.len(),
-                tree.depths().into_iter().max().unwrap_or(0) as usize,
-            );
+            let drafted_part = DraftedPart::of(&tree);
             let tree = match &mut lookup {
                 Some(lookup) => lookup.extend(
                     tree,
@@ -190,25 +188,33 @@ impl Client {
                             ahead = speculator.draft_ahead(&mut *drafts[0], &committed, t).ok();
                         }
                     }
-                    tokio::time::sleep_until((sent + self.added_rtt).into()).await;
-                    session.verdict().await
+                    let verdict = session.verdict().await;
+                    if let Ok(v) = &verdict {
+                        // The answer would arrive a round trip after the request plus the
+                        // verifier's work (drafting ahead overlaps both, as over a network).
+                        let served = Duration::from_micros(v.stats.forward_us as u64);
+                        tokio::time::sleep_until((sent + self.added_rtt + served).into()).await;
+                    }
+                    verdict
                 }
                 Err(e) => Err(e),
             };
             match verdict {
                 Ok(v) => {
-                    let model_accepted = v
-                        .accepted_nodes
-                        .iter()
-                        .take_while(|&&n| (n as usize) < model_nodes)
-                        .count();
-                    g.lookup_accepted += v.accepted_nodes.len() - model_accepted;
                     let round_s = sent.elapsed().as_secs_f64();
                     let forward_s = v.stats.forward_us as f64 * 1e-6;
-                    tracing::debug!(
-                        model_depth,
+                    let observed = drafted_part.observation(
                         tree_nodes,
-                        model_accepted,
+                        &v.accepted_nodes,
+                        draft_s,
+                        round_s,
+                        forward_s,
+                    );
+                    g.lookup_accepted += v.accepted_nodes.len() - observed.accepted;
+                    tracing::debug!(
+                        model_depth = observed.tree_depth,
+                        tree_nodes,
+                        model_accepted = observed.accepted,
                         accepted = v.accepted_nodes.len(),
                         draft_ms = draft_s * 1e3,
                         round_ms = round_s * 1e3,
@@ -219,14 +225,7 @@ impl Client {
                         lookup.observe(&v.tokens, tree_nodes, round_s, forward_s);
                     }
                     if let Drafting::Tree { speculator, .. } = &mut drafting {
-                        speculator.observe(RoundObservation {
-                            tree_depth: model_depth,
-                            tree_nodes,
-                            accepted: model_accepted,
-                            draft_s,
-                            round_s,
-                            forward_s,
-                        });
+                        speculator.observe(observed);
                     }
                     if g.rounds == 0 {
                         g.ttft = start.elapsed();

@@ -12,7 +12,7 @@ pub use onnx::OnnxModel;
 pub use remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use specinfer_speculator::{draft, speculator};
 pub use specinfer_speculator::{
-    merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape,
+    merge_trees, DepthController, DraftMode, DraftedPart, RoundObservation, Speculator, TreeShape,
 };
 pub use specinfer_speculator::{
     AdaptiveLookup, CachedDraft, ContextLookup, DraftModel, TreeScorer,

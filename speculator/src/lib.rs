@@ -9,5 +9,6 @@ pub mod speculator;
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use speculator::{
-    merge_trees, DepthController, DraftMode, RoundObservation, Speculator, TreeShape, PLAIN_EXPLORE,
+    merge_trees, DepthController, DraftMode, DraftedPart, RoundObservation, Speculator, TreeShape,
+    PLAIN_EXPLORE,
 };

@@ -176,14 +176,18 @@ impl AdaptiveLookup {
             .zip(committed)
             .take_while(|(a, b)| a == b)
             .count();
-        self.depth.observe(RoundObservation {
-            tree_depth: chain.len(),
-            tree_nodes,
-            accepted,
-            draft_s: 0.0,
-            round_s,
-            forward_s,
-        });
+        // Copying costs no draft forwards.
+        self.depth.observe(
+            RoundObservation {
+                tree_depth: chain.len(),
+                tree_nodes,
+                accepted,
+                draft_s: 0.0,
+                round_s,
+                forward_s,
+            },
+            0,
+        );
     }
 }
 

@@ -37,17 +37,79 @@ pub enum TreeShape {
     /// pay off only while the draft keeps being accepted there and verifying stays cheap next to
     /// the round trip. See [`DepthController`].
     Adaptive(Vec<usize>),
+    /// A dynamic tree that stops growing, short of `budget`, at the first wave whose expected
+    /// accepted tokens (the draft's path probabilities, scaled by how well they predicted past
+    /// rounds) do not pay for its cost (one draft forward and its nodes' verification) at the
+    /// rate the tree reached so far. No wave paying means plain decoding, with drafting tried
+    /// again now and then, as for [`TreeShape::Adaptive`]. Greedy mode only.
+    AdaptiveDynamic { budget: usize },
+}
+
+impl TreeShape {
+    /// The clients' tree in greedy mode: best-first growth by the draft's path probabilities
+    /// puts the same nodes where they are likelier accepted than the paper's fixed expansion
+    /// (held-out tau 2.24 vs 1.62 at 32 nodes vs 20), and the adaptive cut spends nodes only
+    /// where the measured costs pay for them.
+    pub fn default_greedy() -> TreeShape {
+        TreeShape::AdaptiveDynamic { budget: 32 }
+    }
+
+    /// The clients' tree when sampling: the paper's expansion, whose children are drawn from the
+    /// draft (dynamic trees cannot be), cut to the depth that pays.
+    pub fn default_sampled() -> TreeShape {
+        TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec())
+    }
+
+    /// The tree without its adaptive cut: what it grows to while every node pays.
+    pub fn uncut(&self) -> TreeShape {
+        match self {
+            TreeShape::Adaptive(e) => TreeShape::Expansion(e.clone()),
+            TreeShape::AdaptiveDynamic { budget } => TreeShape::Dynamic { budget: *budget },
+            other => other.clone(),
+        }
+    }
+
+    /// Dynamic trees pick their tokens by the draft's probabilities, not by drawing from them, so
+    /// they carry no proposals for speculative sampling.
+    pub fn is_greedy_only(&self) -> bool {
+        matches!(
+            self,
+            TreeShape::Dynamic { .. } | TreeShape::AdaptiveDynamic { .. }
+        )
+    }
+}
+
+/// The form [`TreeShape`]'s `FromStr` reads.
+impl std::fmt::Display for TreeShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let expansion = |e: &[usize]| {
+            e.iter()
+                .map(|k| k.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match self {
+            TreeShape::Expansion(e) => write!(f, "{}", expansion(e)),
+            TreeShape::Dynamic { budget } => write!(f, "dynamic:{budget}"),
+            TreeShape::Adaptive(e) => write!(f, "adaptive:{}", expansion(e)),
+            TreeShape::AdaptiveDynamic { budget } => write!(f, "adaptive:dynamic:{budget}"),
+        }
+    }
 }
 
 impl std::str::FromStr for TreeShape {
     type Err = String;
 
-    /// `1,1,3,1`, `dynamic:N`, or `adaptive:1,1,3,1` (the expansion cut to a measured depth).
+    /// `1,1,3,1`, `dynamic:N`, `adaptive:1,1,3,1` (the expansion cut to a measured depth) or
+    /// `adaptive:dynamic:N` (the dynamic tree grown while it pays).
     fn from_str(s: &str) -> Result<Self, String> {
         if let Some(rest) = s.strip_prefix("adaptive:") {
             return match rest.parse::<TreeShape>()? {
                 TreeShape::Expansion(e) => Ok(TreeShape::Adaptive(e)),
-                _ => Err(format!("{s:?}: adaptive:K1,K2,... takes an expansion")),
+                TreeShape::Dynamic { budget } => Ok(TreeShape::AdaptiveDynamic { budget }),
+                _ => Err(format!(
+                    "{s:?}: adaptive: takes an expansion (adaptive:1,1,3) or a dynamic tree (adaptive:dynamic:32)"
+                )),
             };
         }
         if let Some(n) = s.strip_prefix("dynamic:") {
@@ -72,6 +134,30 @@ pub struct Speculator {
     pub mode: DraftMode,
     rng: ChaCha8Rng,
     depth: DepthController,
+    /// The last tree [`Speculator::draft`] built for sending, until its round is observed.
+    drafted: Option<Drafted>,
+    /// Decayed sums over dynamic trees' rounds of the draft nodes accepted and of the
+    /// acceptance their path probabilities predicted.
+    calibration: [f64; 2],
+    /// Decayed sums over the rounds an adaptive dynamic tree was drafted for (whether or not it
+    /// grew past the root) of the tokens they gave and the seconds they took, drafting included:
+    /// what trying to draft is worth, next to plain decoding; and their decayed count.
+    attempts: [f64; 3],
+    /// Rounds since the last one drafted for.
+    since_attempt: usize,
+}
+
+/// The (decayed) number of drafted rounds an adaptive dynamic tree needs to have seen before it
+/// may judge drafting not worth trying: one unlucky round must not switch drafting off.
+const MIN_ATTEMPTS: f64 = 4.0;
+
+/// What went into a drafted tree, for learning from its round.
+#[derive(Clone, Copy, Debug, Default)]
+struct Drafted {
+    forwards: usize,
+    /// Sum over the drafted nodes of the draft's probability of the path to them: the accepted
+    /// length greedy verification would average if the draft were calibrated.
+    expected: f64,
 }
 
 impl Speculator {
@@ -85,19 +171,53 @@ impl Speculator {
     pub fn with_shape(shape: TreeShape, mode: DraftMode, seed: u64) -> Self {
         let max_depth = match &shape {
             TreeShape::Adaptive(e) | TreeShape::Expansion(e) => e.len(),
-            TreeShape::Dynamic { .. } => 0,
+            TreeShape::Dynamic { .. } | TreeShape::AdaptiveDynamic { .. } => 0,
         };
         Speculator {
             shape,
             mode,
             rng: ChaCha8Rng::seed_from_u64(seed),
             depth: DepthController::new(max_depth),
+            drafted: None,
+            calibration: [0.0; 2],
+            attempts: [0.0; 3],
+            since_attempt: 0,
         }
     }
 
-    /// Feeds what one round measured to the adaptive depth controller.
+    /// Feeds what the round of the last drafted tree measured to the adaptive controllers. A
+    /// round whose tree did not come from [`Speculator::draft`] (a root sent without drafting,
+    /// or a tree drafted ahead) counts as costing no draft forwards.
     pub fn observe(&mut self, round: RoundObservation) {
-        self.depth.observe(round);
+        let drafted = self.drafted.take().unwrap_or_default();
+        let forwards = match self.shape {
+            TreeShape::Dynamic { .. } | TreeShape::AdaptiveDynamic { .. } => {
+                if round.tree_depth > 0 {
+                    let [accepted, expected] = &mut self.calibration;
+                    *accepted = 0.95 * *accepted + round.accepted as f64;
+                    *expected = 0.95 * *expected + drafted.expected;
+                }
+                if drafted.forwards > 0 {
+                    let [tokens, seconds, count] = &mut self.attempts;
+                    *tokens = 0.9 * *tokens + (round.accepted + 1) as f64;
+                    *seconds = 0.9 * *seconds + round.draft_s + round.round_s;
+                    *count = 0.9 * *count + 1.0;
+                    self.since_attempt = 0;
+                } else {
+                    self.since_attempt += 1;
+                }
+                drafted.forwards
+            }
+            _ => round.tree_depth,
+        };
+        self.depth.observe(round, forwards);
+    }
+
+    /// How many accepted tokens one unit of the draft's path probability has been worth (1 for
+    /// a calibrated draft; a prior of one round worth 1 keeps it finite and moving).
+    fn calibration(&self) -> f64 {
+        let [accepted, expected] = self.calibration;
+        (accepted + 1.0) / (expected + 1.0)
     }
 
     /// The depth the next adaptive tree will have.
@@ -116,6 +236,16 @@ impl Speculator {
                 self.depth.best_depth() > 0 && e.first().is_some_and(|&k| k > 0)
             }
             TreeShape::Dynamic { budget } => *budget > 0,
+            TreeShape::AdaptiveDynamic { budget } => {
+                // A draft forward is paid before the draft's confidence says whether any node
+                // is worth verifying, so whether to try at all is learned from the rounds that
+                // tried: their tokens per second against plain decoding's.
+                let [tokens, seconds, count] = self.attempts;
+                *budget > 0
+                    && (count < MIN_ATTEMPTS
+                        || tokens / seconds >= 1.0 / self.depth.plain_seconds()
+                        || self.since_attempt + 1 >= PLAIN_EXPLORE)
+            }
         }
     }
 
@@ -131,21 +261,40 @@ impl Speculator {
             ));
         }
         model.sync(committed)?;
-        match self.shape.clone() {
-            TreeShape::Expansion(expansion) => self.expand(model, committed, &expansion),
+        let (tree, drafted) = match self.shape.clone() {
+            TreeShape::Expansion(expansion) => self.expand(model, committed, &expansion)?,
             TreeShape::Adaptive(expansion) => {
                 let depth = self.depth.best_depth();
-                self.expand(model, committed, &expansion[..depth])
+                self.expand(model, committed, &expansion[..depth])?
             }
-            TreeShape::Dynamic { budget } => {
-                assert_eq!(
-                    self.mode,
-                    DraftMode::Greedy,
-                    "dynamic trees are built in greedy mode only"
-                );
-                dynamic_tree(model, committed, budget)
+            TreeShape::Dynamic { budget } => self.dynamic(model, committed, budget, None)?,
+            TreeShape::AdaptiveDynamic { budget } => {
+                let growth = Growth {
+                    costs: self.depth.growth_costs(self.calibration()),
+                    // Before any measurement the first wave is placed regardless, to learn what
+                    // drafting buys and costs.
+                    forced_waves: usize::from(self.depth.rounds() == 0),
+                };
+                self.dynamic(model, committed, budget, Some(growth))?
             }
-        }
+        };
+        self.drafted = Some(drafted);
+        Ok(tree)
+    }
+
+    fn dynamic(
+        &self,
+        model: &mut dyn DraftModel,
+        committed: &[u32],
+        budget: usize,
+        growth: Option<Growth>,
+    ) -> Result<(TokenTree, Drafted), ModelError> {
+        assert_eq!(
+            self.mode,
+            DraftMode::Greedy,
+            "dynamic trees are built in greedy mode only"
+        );
+        dynamic_tree(model, committed, budget, growth)
     }
 
     /// Pipelining: drafts the tree that would follow `in_flight` (just sent, rooted at
@@ -193,8 +342,11 @@ impl Speculator {
             })
             .0;
         guess.push(bonus as u32);
-        let tree = self.draft(model, &guess)?;
-        Ok((guess, tree))
+        // The round observed next is the one of the tree already sent.
+        let sent = self.drafted.take();
+        let tree = self.draft(model, &guess);
+        self.drafted = sent;
+        Ok((guess, tree?))
     }
 
     /// Drafts with every model and merges their trees (SpecInfer's merge-based speculation).
@@ -215,17 +367,19 @@ impl Speculator {
         model: &mut dyn DraftModel,
         committed: &[u32],
         expansion: &[usize],
-    ) -> Result<TokenTree, ModelError> {
+    ) -> Result<(TokenTree, Drafted), ModelError> {
         let mut tree =
             TokenTree::root(*committed.last().expect("committed tokens are never empty"));
         let mut dists: Vec<SparseDist> = Vec::new();
         let mut drawn_from = Vec::new();
         let mut scored = 0;
+        let mut forwards = 0;
         for &k in expansion {
             if k == 0 {
                 break;
             }
             let logits = model.extend(&tree, scored)?;
+            forwards += 1;
             let frontier = scored..tree.len();
             scored = tree.len();
             for (node, l) in frontier.zip(&logits) {
@@ -274,58 +428,162 @@ impl Speculator {
                 })
                 .expect("the speculator builds proposals consistent with its tree");
         }
-        Ok(tree)
+        Ok((
+            tree,
+            Drafted {
+                forwards,
+                expected: 0.0,
+            },
+        ))
     }
 }
 
-/// The `k` highest logits' token ids, best first (ties to the lower id).
+/// The `k` highest logits' token ids, best first (ties to the lower id). One pass keeping the
+/// best `k` so far: almost every logit loses to the current k-th at one comparison, where
+/// selecting over the whole (49,152-token) vocabulary cost more than the draft's forward.
 fn top_k_tokens(l: &[f32], k: usize) -> Vec<u32> {
-    let mut order: Vec<u32> = (0..l.len() as u32).collect();
-    let k = k.min(order.len());
-    let cmp = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]).then(a.cmp(b));
-    order.select_nth_unstable_by(k - 1, cmp);
-    order.truncate(k);
-    order.sort_by(cmp);
-    order
+    let k = k.min(l.len());
+    let mut best: Vec<u32> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return best;
+    }
+    // `a` ranks before `b`: a higher logit, or an equal one at a lower id.
+    let before = |a: u32, b: u32| {
+        l[a as usize]
+            .total_cmp(&l[b as usize])
+            .then(b.cmp(&a))
+            .is_gt()
+    };
+    for t in 0..l.len() as u32 {
+        if best.len() == k && !before(t, best[k - 1]) {
+            continue;
+        }
+        let at = best
+            .iter()
+            .position(|&b| before(t, b))
+            .unwrap_or(best.len());
+        best.insert(at, t);
+        best.truncate(k);
+    }
+    best
+}
+
+/// `ln(sum(exp(l)))`, skipping the `-inf` logits of tokens outside a restricted draft head.
+fn log_sum_exp(l: &[f32]) -> f64 {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = l
+        .iter()
+        .filter(|&&x| x != f32::NEG_INFINITY)
+        .map(|&x| (x - max).exp())
+        .sum();
+    max as f64 + (sum as f64).ln()
 }
 
 /// Best-first tree growth: candidates (a scored node's likely next tokens) are ranked by the
 /// draft's log-probability of the whole path; each wave adds the best few and scores them in one
-/// draft forward.
+/// draft forward. With `growth`, a node is added only if it raises the round's expected rate
+/// (see [`TreeShape::AdaptiveDynamic`]).
 fn dynamic_tree(
     model: &mut dyn DraftModel,
     committed: &[u32],
     budget: usize,
-) -> Result<TokenTree, ModelError> {
+    growth: Option<Growth>,
+) -> Result<(TokenTree, Drafted), ModelError> {
     const CHILDREN_PER_NODE: usize = 8;
     let mut tree = TokenTree::root(*committed.last().expect("committed tokens are never empty"));
+    let mut drafted = Drafted::default();
     let mut path_logp = vec![0f64];
     // (path log-prob, parent, token)
     let mut candidates: Vec<(f64, u32, u32)> = Vec::new();
     let wave = budget.div_ceil(6).max(1);
     let mut scored = 0;
-    loop {
+    while tree.len() <= budget {
         let logits = model.extend(&tree, scored)?;
+        drafted.forwards += 1;
         for (node, l) in (scored..tree.len()).zip(&logits) {
-            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            let lse = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+            let lse = log_sum_exp(l);
             for t in top_k_tokens(l, CHILDREN_PER_NODE.min(budget)) {
                 candidates.push((path_logp[node] + l[t as usize] as f64 - lse, node as u32, t));
             }
         }
         scored = tree.len();
-        let room = budget - (tree.len() - 1);
-        if room == 0 || candidates.is_empty() {
-            return Ok(tree);
-        }
         candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
-        for _ in 0..wave.min(room) {
-            let Some((logp, parent, token)) = candidates.pop() else {
+        let forced = growth.is_some_and(|g| drafted.forwards <= g.forced_waves);
+        for i in 0..wave.min(budget + 1 - tree.len()) {
+            let Some(&(logp, parent, token)) = candidates.last() else {
                 break;
             };
+            if !forced && growth.is_some_and(|g| !g.pays(&tree, drafted, logp.exp(), i == 0)) {
+                break;
+            }
+            candidates.pop();
             tree.push(parent, token);
             path_logp.push(logp);
+            drafted.expected += logp.exp();
         }
+        if tree.len() == scored {
+            break;
+        }
+        // No candidate the next forward could add (the new nodes' children, no likelier than
+        // their parents, or one already waiting) would pay for that forward: skip it.
+        let bound = path_logp[scored..]
+            .iter()
+            .chain(candidates.last().map(|c| &c.0))
+            .fold(f64::NEG_INFINITY, |a, &b| a.max(b))
+            .exp();
+        if growth.is_some_and(|g| {
+            drafted.forwards + 1 > g.forced_waves && !g.pays(&tree, drafted, bound, true)
+        }) {
+            break;
+        }
+    }
+    Ok((tree, drafted))
+}
+
+/// How an adaptive dynamic tree decides to grow.
+#[derive(Clone, Copy, Debug)]
+struct Growth {
+    /// `None` until a round was measured: only the forced waves are placed.
+    costs: Option<GrowthCosts>,
+    /// Waves placed whatever they cost.
+    forced_waves: usize,
+}
+
+impl Growth {
+    /// [`GrowthCosts::pays`]; nothing pays before costs were measured.
+    fn pays(&self, tree: &TokenTree, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
+        self.costs
+            .is_some_and(|c| c.pays(tree, so_far, p, first_of_wave))
+    }
+}
+
+/// The measured costs a growing dynamic tree weighs each node against.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GrowthCosts {
+    /// Seconds of a round besides the verifier's forward (round trip, queueing).
+    fixed: f64,
+    per_forward: f64,
+    /// Verifier forward seconds for a tree of n nodes: `intercept + slope * n`.
+    intercept: f64,
+    slope: f64,
+    /// Accepted tokens per unit of path probability.
+    calibration: f64,
+}
+
+impl GrowthCosts {
+    /// Whether adding a node with path probability `p` to `tree` (built with `so_far`'s
+    /// forwards) raises the round's expected tokens per second. Each draft forward is charged
+    /// to the first node of the wave it scored the parents of, so the first node must also pay
+    /// for the root's forward: a draft that cannot is switched off.
+    fn pays(&self, tree: &TokenTree, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
+        let charged_forwards = so_far.forwards - usize::from(first_of_wave);
+        let tokens = 1.0 + self.calibration * so_far.expected;
+        let seconds = self.fixed
+            + self.intercept
+            + self.slope * tree.len() as f64
+            + self.per_forward * charged_forwards as f64;
+        let cost = self.slope + if first_of_wave { self.per_forward } else { 0.0 };
+        self.calibration * p * seconds > tokens * cost
     }
 }
 
@@ -390,6 +648,52 @@ pub fn merge_trees(trees: &[TokenTree]) -> TokenTree {
         .expect("merging keeps every proposal consistent")
 }
 
+/// The draft model's part of a tree about to be sent: its nodes come first, so the indices of
+/// the nodes a verdict accepted tell which of them the draft proposed (a lookup's chain, added
+/// after, only adds to the verify cost). The adaptive controllers learn from this part alone.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftedPart {
+    pub nodes: usize,
+    pub depth: usize,
+}
+
+impl DraftedPart {
+    pub fn of(tree: &TokenTree) -> Self {
+        DraftedPart {
+            nodes: tree.len(),
+            depth: tree.depths().into_iter().max().unwrap_or(0) as usize,
+        }
+    }
+
+    /// How many of a verdict's accepted nodes (root-to-leaf) the draft model proposed.
+    pub fn accepted(&self, accepted_nodes: &[u32]) -> usize {
+        accepted_nodes
+            .iter()
+            .take_while(|&&n| (n as usize) < self.nodes)
+            .count()
+    }
+
+    /// The round as the controllers take it: `tree_nodes` sent in all, the verdict's
+    /// `accepted_nodes`, and the times as in [`RoundObservation`].
+    pub fn observation(
+        &self,
+        tree_nodes: usize,
+        accepted_nodes: &[u32],
+        draft_s: f64,
+        round_s: f64,
+        forward_s: f64,
+    ) -> RoundObservation {
+        RoundObservation {
+            tree_depth: self.depth,
+            tree_nodes,
+            accepted: self.accepted(accepted_nodes),
+            draft_s,
+            round_s,
+            forward_s,
+        }
+    }
+}
+
 /// What the client measured in one round.
 #[derive(Clone, Copy, Debug)]
 pub struct RoundObservation {
@@ -423,7 +727,8 @@ pub struct DepthController {
     max_depth: usize,
     reached: Vec<f64>,
     accepted: Vec<f64>,
-    draft_per_level: f64,
+    /// Seconds per draft model forward (one per level of an expansion tree).
+    draft_per_forward: f64,
     /// Decayed sums for the fit of forward seconds against tree nodes: weight, x, y, xx, xy.
     fit: [f64; 5],
     fixed: f64,
@@ -441,7 +746,7 @@ impl DepthController {
             max_depth,
             reached: vec![0.0; max_depth + 1],
             accepted: vec![0.0; max_depth + 1],
-            draft_per_level: 0.0,
+            draft_per_forward: 0.0,
             fit: [0.0; 5],
             fixed: 0.0,
             rounds: 0,
@@ -452,23 +757,52 @@ impl DepthController {
     /// Expected forward seconds for a tree of `nodes` nodes: the affine fit, or (while every
     /// observed tree had one size) proportional to the node count.
     fn verify_seconds(&self, nodes: usize) -> f64 {
+        let (intercept, slope) = self.verify_fit();
+        intercept + slope * nodes as f64
+    }
+
+    /// `(intercept, slope)` of [`DepthController::verify_seconds`].
+    fn verify_fit(&self) -> (f64, f64) {
         let [w, sx, sy, sxx, sxy] = self.fit;
         if w <= 0.0 {
-            return 0.0;
+            return (0.0, 0.0);
         }
         let (mx, my) = (sx / w, sy / w);
         let var = sxx / w - mx * mx;
-        let n = nodes as f64;
         if var > 1e-6 * mx * mx.max(1.0) {
             let slope = ((sxy / w - mx * my) / var).max(0.0);
-            let intercept = (my - slope * mx).max(0.0);
-            intercept + slope * n
+            ((my - slope * mx).max(0.0), slope)
         } else {
-            my / mx.max(1.0) * n
+            (0.0, my / mx.max(1.0))
         }
     }
 
-    pub fn observe(&mut self, o: RoundObservation) {
+    /// The costs a growing dynamic tree weighs, with `calibration` accepted tokens per unit of
+    /// path probability; `None` before any round was measured (grow to the budget, to learn).
+    pub(crate) fn growth_costs(&self, calibration: f64) -> Option<GrowthCosts> {
+        let (intercept, slope) = self.verify_fit();
+        (self.rounds > 0).then_some(GrowthCosts {
+            fixed: self.fixed,
+            per_forward: self.draft_per_forward,
+            intercept,
+            slope,
+            calibration,
+        })
+    }
+
+    /// Expected seconds of a plain decoding round (the root alone).
+    pub fn plain_seconds(&self) -> f64 {
+        (self.fixed + self.verify_seconds(1)).max(1e-9)
+    }
+
+    /// Rounds observed.
+    pub fn rounds(&self) -> usize {
+        self.rounds
+    }
+
+    /// Learns from one round whose tree cost `draft_forwards` draft model forwards (an expansion
+    /// tree: its depth).
+    pub fn observe(&mut self, o: RoundObservation, draft_forwards: usize) {
         for d in 1..=o.tree_depth.min(self.max_depth) {
             // Depth d was tried only if every depth above it was accepted.
             if o.accepted + 1 >= d {
@@ -477,10 +811,10 @@ impl DepthController {
             }
         }
         let ema = |old: f64, new: f64, n: usize| if n == 0 { new } else { 0.8 * old + 0.2 * new };
-        if o.tree_depth > 0 {
-            self.draft_per_level = ema(
-                self.draft_per_level,
-                o.draft_s / o.tree_depth as f64,
+        if draft_forwards > 0 {
+            self.draft_per_forward = ema(
+                self.draft_per_forward,
+                o.draft_s / draft_forwards as f64,
                 self.rounds,
             );
         }
@@ -535,14 +869,15 @@ impl DepthController {
         if self.max_depth == 0 || self.rounds == 0 {
             return self.max_depth;
         }
-        let plain_rate = 1.0 / (self.fixed + self.verify_seconds(1)).max(1e-9);
+        let plain_rate = 1.0 / self.plain_seconds();
         let (mut best, mut best_rate) = (1, 0.0);
         let (mut expected, mut chain) = (1.0, 1.0);
         for m in 1..=self.max_depth {
             chain *= self.acceptance(m);
             expected += chain;
             // Nodes grow at least linearly with depth; a chain is the cheapest tree of depth m.
-            let seconds = self.fixed + self.draft_per_level * m as f64 + self.verify_seconds(m + 1);
+            let seconds =
+                self.fixed + self.draft_per_forward * m as f64 + self.verify_seconds(m + 1);
             let rate = expected / seconds.max(1e-9);
             if rate > best_rate {
                 best = m;
@@ -555,5 +890,30 @@ impl DepthController {
         } else {
             best
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn top_k_tokens_are_the_first_k_of_a_full_sort(
+            l in proptest::collection::vec(prop_oneof![Just(f32::NEG_INFINITY), Just(0.5f32), -4f32..4.0], 1..300),
+            k in 1usize..12,
+        ) {
+            let mut order: Vec<u32> = (0..l.len() as u32).collect();
+            order.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+            order.truncate(k);
+            prop_assert_eq!(top_k_tokens(&l, k), order);
+        }
+    }
+
+    #[test]
+    fn log_sum_exp_skips_tokens_outside_the_head() {
+        let l = [0.0f32, f32::NEG_INFINITY, 2f32.ln(), f32::NEG_INFINITY];
+        assert!((log_sum_exp(&l) - 3f64.ln()).abs() < 1e-6);
     }
 }

@@ -4,7 +4,9 @@
 
 use proptest::prelude::*;
 use specinfer_model::ModelError;
-use specinfer_speculator::{merge_trees, DraftMode, DraftModel, Speculator, TreeShape};
+use specinfer_speculator::{
+    merge_trees, DraftMode, DraftModel, DraftedPart, Speculator, TreeShape,
+};
 use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
 fn paths(t: &TokenTree) -> Vec<Vec<u32>> {
@@ -165,7 +167,7 @@ fn feed(
 ) {
     for _ in 0..200 {
         let depth = c.best_depth();
-        c.observe(round(depth, good, fixed, per_node, per_level));
+        c.observe(round(depth, good, fixed, per_node, per_level), depth);
     }
 }
 
@@ -191,7 +193,7 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
     let depths: Vec<usize> = (0..specinfer_speculator::PLAIN_EXPLORE)
         .map(|_| {
             let d = c.best_depth();
-            c.observe(round(d, 0, 0.0, 0.05, 0.01));
+            c.observe(round(d, 0, 0.0, 0.05, 0.01), d);
             d
         })
         .collect();
@@ -208,14 +210,17 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
     for i in 0..400 {
         let depth = c.best_depth();
         let accepted = if i % 2 == 0 { depth.min(2) } else { 0 };
-        c.observe(specinfer_speculator::RoundObservation {
-            tree_depth: depth,
-            tree_nodes: depth + 1,
-            accepted,
-            draft_s: 0.0005 * depth as f64,
-            round_s: 0.004 + 0.0003 * depth as f64,
-            forward_s: 0.004 + 0.0003 * depth as f64,
-        });
+        c.observe(
+            specinfer_speculator::RoundObservation {
+                tree_depth: depth,
+                tree_nodes: depth + 1,
+                accepted,
+                draft_s: 0.0005 * depth as f64,
+                round_s: 0.004 + 0.0003 * depth as f64,
+                forward_s: 0.004 + 0.0003 * depth as f64,
+            },
+            depth,
+        );
     }
     assert!(c.best_depth() >= 1, "depth {}", c.best_depth());
     assert_eq!(
@@ -244,33 +249,157 @@ impl DraftModel for Counting {
 
 #[test]
 fn plain_decoding_rounds_leave_the_draft_model_alone() {
-    let mut s = Speculator::with_shape(TreeShape::Adaptive(vec![1; 8]), DraftMode::Greedy, 0);
+    for shape in [
+        TreeShape::Adaptive(vec![1; 8]),
+        TreeShape::AdaptiveDynamic { budget: 8 },
+    ] {
+        plain_rounds_do_not_draft(shape);
+    }
+}
+
+fn plain_rounds_do_not_draft(shape: TreeShape) {
+    let mut s = Speculator::with_shape(shape.clone(), DraftMode::Greedy, 0);
     let mut model = Counting::default();
     assert!(s.drafts_next(), "a fresh adaptive speculator drafts");
-    assert_eq!(s.draft(&mut model, &[1, 2, 3]).unwrap().len(), 9);
-    // A draft never right on a slow verifier: the controller turns drafting off.
+    // A draft never right on a slow verifier (a node costs 50 ms, a draft forward 10): the
+    // controller turns drafting off.
+    let round_of = |s: &mut Speculator, model: &mut Counting| {
+        let before = model.calls;
+        let drafting = s.drafts_next();
+        let tree = s.draft(model, &[1, 2, 3]).unwrap();
+        let depth = tree.depths().into_iter().max().unwrap_or(0) as usize;
+        let draft_s = if drafting {
+            0.01 * (depth + 1) as f64
+        } else {
+            0.0
+        };
+        let forward_s = 0.05 * tree.len() as f64;
+        s.observe(DraftedPart::of(&tree).observation(
+            tree.len(),
+            &[],
+            draft_s,
+            forward_s,
+            forward_s,
+        ));
+        (drafting, tree.len(), model.calls - before)
+    };
+    let (first, _, _) = round_of(&mut s, &mut model);
+    assert!(first, "{shape}: the first round drafts");
     for _ in 0..40 {
-        let depth = s.adaptive_depth();
-        s.observe(round(depth, 0, 0.0, 0.05, 0.01));
+        round_of(&mut s, &mut model);
     }
     let (mut plain, mut calls_in_plain) = (0, 0);
     for _ in 0..specinfer_speculator::PLAIN_EXPLORE {
-        let before = model.calls;
-        let drafting = s.drafts_next();
-        let tree = s.draft(&mut model, &[1, 2, 3]).unwrap();
-        assert_eq!(drafting, tree.len() > 1);
+        let (drafting, nodes, calls) = round_of(&mut s, &mut model);
         if !drafting {
+            assert_eq!(nodes, 1, "{shape}: a plain round sent drafted nodes");
             plain += 1;
-            calls_in_plain += model.calls - before;
+            calls_in_plain += calls;
         }
-        s.observe(round(tree.len() - 1, 0, 0.0, 0.05, 0.01));
     }
     assert!(
         plain >= specinfer_speculator::PLAIN_EXPLORE - 1,
-        "{plain} plain rounds"
+        "{shape}: {plain} plain rounds"
     );
-    assert_eq!(calls_in_plain, 0, "plain rounds ran the draft model");
-    // A fixed expansion always drafts.
+    assert_eq!(
+        calls_in_plain, 0,
+        "{shape}: plain rounds ran the draft model"
+    );
+}
+
+#[test]
+fn a_fixed_expansion_always_drafts() {
     let fixed = Speculator::new(vec![1, 1], DraftMode::Greedy, 0);
     assert!(fixed.drafts_next());
+}
+
+/// The nodes a verifier accepts when the draft's best path is right for `good` levels.
+fn best_path(tree: &TokenTree, good: usize) -> Vec<u32> {
+    let children = tree.children();
+    let mut path = Vec::new();
+    let mut node = 0;
+    while path.len() < good {
+        let Some(&c) = children[node].first() else {
+            break;
+        };
+        path.push(c);
+        node = c as usize;
+    }
+    path
+}
+
+/// Mean drafted nodes per round of an adaptive dynamic tree over rounds where the draft's best
+/// path is right for `good` levels, a round costs `fixed` plus `per_node` per verified node,
+/// and a draft forward `per_forward`.
+fn adaptive_dynamic_nodes(good: usize, fixed: f64, per_node: f64, per_forward: f64) -> f64 {
+    let mut s = Speculator::with_shape(
+        TreeShape::AdaptiveDynamic { budget: 32 },
+        DraftMode::Greedy,
+        0,
+    );
+    let mut nodes = 0;
+    let rounds = 200;
+    for r in 0..rounds {
+        let context = [1, 2, 3 + r as u32 % 40];
+        let drafting = s.drafts_next();
+        let tree = s.draft(&mut Toy, &context).unwrap();
+        let depth = tree.depths().into_iter().max().unwrap_or(0) as usize;
+        nodes += tree.len() - 1;
+        let forward = per_node * tree.len() as f64;
+        let draft = if drafting {
+            per_forward * (depth + 1) as f64
+        } else {
+            0.0
+        };
+        s.observe(DraftedPart::of(&tree).observation(
+            tree.len(),
+            &best_path(&tree, good),
+            draft,
+            fixed + forward,
+            forward,
+        ));
+    }
+    nodes as f64 / rounds as f64
+}
+
+#[test]
+fn adaptive_dynamic_trees_grow_while_their_nodes_pay() {
+    // A long round trip and cheap verification: a draft right for 3 levels gets big trees.
+    let far = adaptive_dynamic_nodes(3, 0.05, 0.0002, 0.0005);
+    assert!(
+        far >= 6.0,
+        "{far} nodes per round behind a 50 ms round trip"
+    );
+    // Each verified node as dear as a whole round trip: far fewer nodes.
+    let near = adaptive_dynamic_nodes(3, 0.001, 0.002, 0.0005);
+    assert!(near < far / 2.0, "{near} vs {far} nodes per round");
+    // A draft never right on a slow verifier: (almost) plain decoding.
+    let useless = adaptive_dynamic_nodes(0, 0.0, 0.005, 0.002);
+    assert!(
+        useless < 1.0,
+        "{useless} nodes per round from a useless draft"
+    );
+    println!("nodes per round: far {far:.1}, near {near:.1}, useless draft {useless:.2}");
+}
+
+#[test]
+fn tree_shapes_print_as_they_parse() {
+    for s in [
+        "1,1,3,1",
+        "dynamic:12",
+        "adaptive:1,1,3",
+        "adaptive:dynamic:32",
+    ] {
+        assert_eq!(s.parse::<TreeShape>().unwrap().to_string(), s);
+    }
+    assert_eq!(
+        "adaptive:dynamic:32".parse::<TreeShape>().unwrap(),
+        TreeShape::AdaptiveDynamic { budget: 32 }
+    );
+    assert_eq!(
+        TreeShape::default_greedy().uncut(),
+        TreeShape::Dynamic { budget: 32 }
+    );
+    assert!(TreeShape::default_greedy().is_greedy_only());
+    assert!(!TreeShape::default_sampled().is_greedy_only());
 }

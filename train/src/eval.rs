@@ -8,7 +8,7 @@ use specinfer_kernels::sampling::distribution;
 use specinfer_model::{KvCache, Llama, SeqTree};
 use specinfer_wire::{Limits, SamplingParams, TokenTree};
 
-use specinfer_edge::ContextLookup;
+use specinfer_edge::{ContextLookup, DraftMode, Speculator, TreeShape};
 
 use crate::teacher::Example;
 
@@ -28,6 +28,13 @@ pub struct Report {
     pub tau_paper_tree: f64,
     /// The same with the context lookup's chain added to every tree (`ContextLookup::default`).
     pub tau_paper_tree_with_lookup: f64,
+    /// The clients' greedy tree (`TreeShape::default_greedy`) at its whole budget (what its
+    /// adaptive cut grows to when the round trip dwarfs verification), without and with the
+    /// lookup's chain.
+    pub tau_default_tree: f64,
+    pub tau_default_tree_with_lookup: f64,
+    /// That tree's shape, e.g. "dynamic:32".
+    pub default_tree: String,
     pub tau_prompts: usize,
 }
 
@@ -146,10 +153,10 @@ pub fn alignment(
     Ok(())
 }
 
-/// Greedy speculation with the paper's tree on every example's prompt, `max_new` tokens each,
-/// drafting with every SSM and merging their trees, with and without the context lookup's chain.
-/// All held-out prompts, not a few: tau moves by a few hundredths between models, and ten
-/// prompts' answers varied more than that.
+/// Greedy speculation with the paper's tree and with the clients' default tree on every
+/// example's prompt, `max_new` tokens each, drafting with every SSM and merging their trees, with
+/// and without the context lookup's chain. All held-out prompts, not a few: tau moves by a few
+/// hundredths between models, and ten prompts' answers varied more than that.
 pub fn tau(
     llm: &Llama,
     ssms: &[&Llama],
@@ -157,22 +164,28 @@ pub fn tau(
     max_new: u32,
     report: &mut Report,
 ) -> Result<()> {
-    report.tau_paper_tree = tau_with(llm, ssms, examples, max_new, None)?;
-    report.tau_paper_tree_with_lookup =
-        tau_with(llm, ssms, examples, max_new, Some(ContextLookup::default()))?;
+    let paper = TreeShape::Expansion(Speculator::PAPER_EXPANSION.to_vec());
+    let default = TreeShape::default_greedy().uncut();
+    let lookup = Some(ContextLookup::default());
+    report.tau_paper_tree = tau_with(llm, ssms, examples, max_new, &paper, None)?;
+    report.tau_paper_tree_with_lookup = tau_with(llm, ssms, examples, max_new, &paper, lookup)?;
+    report.tau_default_tree = tau_with(llm, ssms, examples, max_new, &default, None)?;
+    report.tau_default_tree_with_lookup = tau_with(llm, ssms, examples, max_new, &default, lookup)?;
+    report.default_tree = default.to_string();
     report.tau_prompts = examples.len();
     Ok(())
 }
 
-/// Mean tokens per round of greedy speculation with the paper's tree (plus `lookup`'s chain).
+/// Mean tokens per round of greedy speculation with trees of `shape` (plus `lookup`'s chain).
 pub fn tau_with(
     llm: &Llama,
     ssms: &[&Llama],
     examples: &[Example],
     max_new: u32,
+    shape: &TreeShape,
     lookup: Option<ContextLookup>,
 ) -> Result<f64> {
-    use specinfer_edge::{CachedDraft, DraftMode, DraftModel, Speculator};
+    use specinfer_edge::{CachedDraft, DraftModel};
     let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for example in examples {
@@ -182,8 +195,7 @@ pub fn tau_with(
             SamplingParams::greedy(max_new),
             &limits,
         )?;
-        let mut speculator =
-            Speculator::new(Speculator::PAPER_EXPANSION.to_vec(), DraftMode::Greedy, 0);
+        let mut speculator = Speculator::with_shape(shape.clone(), DraftMode::Greedy, 0);
         let mut drafts: Vec<CachedDraft> = ssms.iter().map(|&m| CachedDraft::new(m)).collect();
         while session.finish().is_none() {
             let mut models: Vec<&mut (dyn DraftModel + Send)> = drafts

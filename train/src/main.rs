@@ -252,7 +252,7 @@ fn run(a: RunArgs) -> Result<()> {
     let md = format!(
         "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy answers).\n\n\
          | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n| LLM token (sampled, T = {}) in SSM top-k | {} |\n\n\
-         Greedy speculation with the paper's tree <1,1,3,1,1,1,1,1> on {} held-out prompts x 64 tokens: tau = {:.2} tokens per LLM pass ({:.2} with the context lookup's chain added to every tree, as the clients do by default).\n\n\
+         Greedy speculation on {} held-out prompts x 64 tokens, tokens per LLM pass (tau): the clients' default greedy tree at its whole budget ({}) {:.2}, {:.2} with the context lookup's chain added to every tree (as the clients do by default); the paper's tree <1,1,3,1,1,1,1,1> {:.2}, {:.2} with the lookup.\n\n\
          SSM compute per token: {:.4} of the LLM's. {loss}ONNX export vs candle: max logit difference {:.1e}. Pipeline time: {:.1} min.\n",
         report.examples,
         report.positions,
@@ -260,6 +260,9 @@ fn run(a: RunArgs) -> Result<()> {
         EVAL_TEMPERATURE,
         percent_row(&report.top_k_stochastic),
         report.tau_prompts,
+        report.default_tree,
+        report.tau_default_tree,
+        report.tau_default_tree_with_lookup,
         report.tau_paper_tree,
         report.tau_paper_tree_with_lookup,
         per_token,

@@ -11,7 +11,7 @@ use std::path::Path;
 use serde::Deserialize;
 use specinfer_model::{ChatMessage, Llama, Tokenizer};
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, DraftModel, Speculator, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, DraftModel, DraftedPart, Speculator, TreeShape,
 };
 use specinfer_wire::{
     decode_frame, encode_frame, frame_len, ClientHello, FinishReason, Limits, Message, OpenSession,
@@ -72,6 +72,15 @@ pub struct BrowserClient {
     draft_ms: f64,
     /// Tree nodes drafted in this answer (the SSM's work).
     drafted_nodes: usize,
+    /// The round in flight, for the adaptive tree to learn from.
+    sent: Option<SentRound>,
+}
+
+struct SentRound {
+    at_ms: f64,
+    draft_s: f64,
+    drafted: DraftedPart,
+    tree_nodes: usize,
 }
 
 /// Milliseconds since some fixed origin (for draft timing only).
@@ -100,7 +109,8 @@ extern "C" {
 impl BrowserClient {
     /// `ssm_config` and `ssm_weights`: the SSM folder's config.json and model.safetensors;
     /// `tokenizer_json` and `chat_json`: the LLM's tokenizer and chat settings; `tree`: a tree
-    /// shape as the CLI takes it (e.g. "adaptive:1,1,3,1,1,1,1,1").
+    /// shape as the CLI takes it (e.g. "adaptive:dynamic:32", the CLI's greedy default), cut to
+    /// what the rounds' measured times make pay.
     #[wasm_bindgen(constructor)]
     pub fn new(
         ssm_config: &str,
@@ -132,6 +142,7 @@ impl BrowserClient {
             rounds: 0,
             draft_ms: 0.0,
             drafted_nodes: 0,
+            sent: None,
         })
     }
 
@@ -163,6 +174,7 @@ impl BrowserClient {
         self.rounds = 0;
         self.draft_ms = 0.0;
         self.drafted_nodes = 0;
+        self.sent = None;
         let params = SamplingParams {
             stop_ids: self.tokenizer.eos().to_vec(),
             ..SamplingParams::greedy(max_tokens)
@@ -185,14 +197,22 @@ impl BrowserClient {
         let tree: TokenTree = self
             .speculator
             .draft(&mut self.draft as &mut dyn DraftModel, &self.committed)?;
+        let drafted = DraftedPart::of(&tree);
         let tree = ContextLookup::default().extend(
             tree,
             &self.committed,
             self.limits.max_tree_nodes as usize,
             false,
         );
-        self.draft_ms += now_ms() - t0;
+        let sent_ms = now_ms();
+        self.draft_ms += sent_ms - t0;
         self.drafted_nodes += tree.len();
+        self.sent = Some(SentRound {
+            at_ms: sent_ms,
+            draft_s: (sent_ms - t0) * 1e-3,
+            drafted,
+            tree_nodes: tree.len(),
+        });
         self.in_flight = true;
         Ok(encode_frame(&Message::Verify(Verify {
             session: self.session,
@@ -234,6 +254,15 @@ impl BrowserClient {
                     return Err(BrowserError::Protocol("an answer to no question".into()));
                 }
                 self.in_flight = false;
+                if let Some(r) = self.sent.take() {
+                    self.speculator.observe(r.drafted.observation(
+                        r.tree_nodes,
+                        &v.accepted_nodes,
+                        r.draft_s,
+                        (now_ms() - r.at_ms) * 1e-3,
+                        v.stats.forward_us as f64 * 1e-6,
+                    ));
+                }
                 self.round += 1;
                 self.rounds += 1;
                 self.committed.extend(&v.tokens);

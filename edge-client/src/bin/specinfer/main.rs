@@ -98,8 +98,12 @@ struct CommonArgs {
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
     /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode),
     /// "adaptive:k1,...,km" (the expansion cut to the depth that maximises measured tokens per
-    /// second), or "none" for incremental decoding through the same path (the baseline).
-    #[arg(long, default_value = "adaptive:1,1,3,1,1,1,1,1")]
+    /// second), "adaptive:dynamic:N" (the dynamic tree grown only while its next nodes pay for
+    /// themselves), or "none" for incremental decoding through the same path (the baseline).
+    /// "auto": adaptive:dynamic:32 in greedy mode, adaptive:1,1,3,1,1,1,1,1 when sampling
+    /// (dynamic trees pick tokens instead of drawing them, so they cannot be verified by
+    /// speculative sampling).
+    #[arg(long, default_value = "auto")]
     tree: String,
     /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
     #[arg(long, default_value = "greedy")]
@@ -228,11 +232,43 @@ fn llm_path(llm: Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
+/// The tree shape for each decoding mode (see `--tree auto`).
+struct Trees {
+    greedy: TreeShape,
+    sample: TreeShape,
+}
+
+impl Trees {
+    fn parse(tree: &str) -> Result<Option<Trees>> {
+        Ok(match tree {
+            "none" => None,
+            "auto" => Some(Trees {
+                greedy: TreeShape::default_greedy(),
+                sample: TreeShape::default_sampled(),
+            }),
+            t => {
+                let shape: TreeShape = t.parse().map_err(anyhow::Error::msg)?;
+                Some(Trees {
+                    greedy: shape.clone(),
+                    sample: shape,
+                })
+            }
+        })
+    }
+
+    fn for_mode(&self, mode: &DraftMode) -> &TreeShape {
+        match mode {
+            DraftMode::Greedy => &self.greedy,
+            DraftMode::Sample { .. } => &self.sample,
+        }
+    }
+}
+
 /// Everything a generation needs, set up once per command.
 struct Setup {
     tok: Tokenizer,
     ssms: Vec<Arc<dyn TreeScorer + Send>>,
-    shape: Option<TreeShape>,
+    trees: Option<Trees>,
     params: SamplingParams,
     draft_mode: DraftMode,
     remote: RemoteConfig,
@@ -243,10 +279,7 @@ struct Setup {
 }
 
 fn setup(a: &CommonArgs) -> Result<Setup> {
-    let shape: Option<TreeShape> = match a.tree.as_str() {
-        "none" => None,
-        t => Some(t.parse().map_err(anyhow::Error::msg)?),
-    };
+    let trees = Trees::parse(&a.tree)?;
     let (mode, draft_mode) = match a.mode.as_str() {
         "greedy" => (VerifyMode::Greedy, DraftMode::Greedy),
         "sample" => (
@@ -260,7 +293,11 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         ),
         m => bail!("--mode {m:?}: use greedy or sample"),
     };
-    if matches!(shape, Some(TreeShape::Dynamic { .. })) && mode != VerifyMode::Greedy {
+    if mode != VerifyMode::Greedy
+        && trees
+            .as_ref()
+            .is_some_and(|t| t.for_mode(&draft_mode).is_greedy_only())
+    {
         bail!(
             "dynamic trees are built in greedy mode only; use an expansion like 1,1,3,1 to sample"
         );
@@ -268,7 +305,7 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     let llm_path = llm_path(a.llm.clone())?;
     let t0 = Instant::now();
     // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
-    let self_drafting = shape.is_some() && a.ssm.iter().any(|s| s == "self");
+    let self_drafting = trees.is_some() && a.ssm.iter().any(|s| s == "self");
     let needs_llm = a.server.is_none() || self_drafting;
     let (llm, tok) = if needs_llm {
         let (m, t) =
@@ -283,7 +320,7 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
         (None, Tokenizer::from_gguf(&llm_path)?)
     };
     let mut ssms: Vec<Arc<dyn TreeScorer + Send>> = Vec::new();
-    for path in a.ssm.iter().filter(|_| shape.is_some()) {
+    for path in a.ssm.iter().filter(|_| trees.is_some()) {
         if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
             bail!("the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self");
         }
@@ -362,7 +399,7 @@ fn setup(a: &CommonArgs) -> Result<Setup> {
     Ok(Setup {
         tok,
         ssms,
-        shape,
+        trees,
         params,
         draft_mode,
         remote,
@@ -422,10 +459,13 @@ impl Setup {
                 }
             }
         };
-        let g = match &self.shape {
-            Some(shape) => {
-                let mut speculator =
-                    Speculator::with_shape(shape.clone(), draft_mode, params.seed ^ 0x5eed);
+        let g = match &self.trees {
+            Some(trees) => {
+                let mut speculator = Speculator::with_shape(
+                    trees.for_mode(&draft_mode).clone(),
+                    draft_mode,
+                    params.seed ^ 0x5eed,
+                );
                 let mut drafts: Vec<CachedDraft> = self
                     .ssms
                     .iter()

@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
 use serde_json::{json, Value};
-use specinfer_edge::{Client, DraftMode, TreeShape};
+use specinfer_edge::{Client, DraftMode};
 use specinfer_model::ChatMessage;
 use specinfer_wire::{DrawMode, SamplingParams, VerifyMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -232,7 +232,11 @@ fn request_params(setup: &Setup, body: &Value) -> Result<(SamplingParams, DraftM
             mode = DraftMode::Greedy;
         }
         Some(t) => {
-            if matches!(setup.shape, Some(TreeShape::Dynamic { .. })) {
+            if setup
+                .trees
+                .as_ref()
+                .is_some_and(|t| t.sample.is_greedy_only())
+            {
                 return Err(
                     "this server drafts dynamic trees, which are greedy only: use temperature 0"
                         .into(),
