@@ -531,8 +531,12 @@ fn dynamic_tree(
             .chain(candidates.last().map(|c| &c.0))
             .fold(f64::NEG_INFINITY, |a, &b| a.max(b))
             .exp();
+        let after_next = Drafted {
+            forwards: drafted.forwards + 1,
+            ..drafted
+        };
         if growth.is_some_and(|g| {
-            drafted.forwards + 1 > g.forced_waves && !g.pays(&tree, drafted, bound, true)
+            after_next.forwards > g.forced_waves && !g.pays(&tree, after_next, bound, true)
         }) {
             break;
         }
