@@ -1140,4 +1140,35 @@ mod tests {
             }
         }
     }
+    #[test]
+    fn an_f32_row_is_bit_identical_whatever_the_batch() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        // Odd columns exercise the tails; 601 rows the parallel path and a row count that is
+        // not a multiple of four.
+        for (rows, cols) in [(75, 130), (601, 512)] {
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let m = F32Matrix::new(rows, cols, w.clone());
+            let n = 9;
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let mut all = vec![0f32; n * rows];
+            m.matmul(&x, n, &mut all);
+            for i in 0..n {
+                let mut alone = vec![0f32; rows];
+                m.matmul(&x[i * cols..(i + 1) * cols], 1, &mut alone);
+                assert_eq!(&alone[..], &all[i * rows..(i + 1) * rows], "row {i} of {n}");
+                for r in 0..rows {
+                    let exact: f64 = (0..cols)
+                        .map(|c| w[r * cols + c] as f64 * x[i * cols + c] as f64)
+                        .sum();
+                    assert!(
+                        (alone[r] as f64 - exact).abs() < 1e-3,
+                        "{} vs {exact}",
+                        alone[r]
+                    );
+                }
+            }
+        }
+    }
 }

@@ -454,8 +454,11 @@ fn top_k_tokens(l: &[f32], k: usize) -> Vec<u32> {
             .then(b.cmp(&a))
             .is_gt()
     };
-    for t in 0..l.len() as u32 {
-        if best.len() == k && !before(t, best[k - 1]) {
+    // The k-th best logit so far: anything below it loses at one float comparison.
+    let mut floor = f32::NEG_INFINITY;
+    for (t, &x) in l.iter().enumerate() {
+        let t = t as u32;
+        if best.len() == k && (x < floor || !before(t, best[k - 1])) {
             continue;
         }
         let at = best
@@ -464,6 +467,9 @@ fn top_k_tokens(l: &[f32], k: usize) -> Vec<u32> {
             .unwrap_or(best.len());
         best.insert(at, t);
         best.truncate(k);
+        if best.len() == k {
+            floor = l[best[k - 1] as usize];
+        }
     }
     best
 }
