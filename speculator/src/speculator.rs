@@ -440,7 +440,8 @@ impl Speculator {
 
 /// The `k` highest logits' token ids, best first (ties to the lower id). One pass keeping the
 /// best `k` so far: almost every logit loses to the current k-th at one comparison, where
-/// selecting over the whole (49,152-token) vocabulary cost more than the draft's forward.
+/// selecting over a copy of the whole (49,152-token) vocabulary took a draft about a tenth of a
+/// millisecond per scored node.
 fn top_k_tokens(l: &[f32], k: usize) -> Vec<u32> {
     let k = k.min(l.len());
     let mut best: Vec<u32> = Vec::with_capacity(k + 1);
