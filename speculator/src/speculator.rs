@@ -37,11 +37,12 @@ pub enum TreeShape {
     /// pay off only while the draft keeps being accepted there and verifying stays cheap next to
     /// the round trip. See [`DepthController`].
     Adaptive(Vec<usize>),
-    /// A dynamic tree that stops growing, short of `budget`, at the first wave whose expected
-    /// accepted tokens (the draft's path probabilities, scaled by how well they predicted past
-    /// rounds) do not pay for its cost (one draft forward and its nodes' verification) at the
-    /// rate the tree reached so far. No wave paying means plain decoding, with drafting tried
-    /// again now and then, as for [`TreeShape::Adaptive`]. Greedy mode only.
+    /// A dynamic tree that stops growing, short of `budget`, at the first node whose expected
+    /// acceptance (the draft's path probability, scaled by how well those predicted past rounds)
+    /// does not pay for its verification (and, for a wave's first node, the draft forward that
+    /// scored its parent) at the rate the tree reached so far. Whether to draft at all is learned
+    /// from the rounds that tried, with drafting tried again now and then, as for
+    /// [`TreeShape::Adaptive`]. Greedy mode only.
     AdaptiveDynamic { budget: usize },
 }
 
@@ -267,15 +268,15 @@ impl Speculator {
                 let depth = self.depth.best_depth();
                 self.expand(model, committed, &expansion[..depth])?
             }
-            TreeShape::Dynamic { budget } => self.dynamic(model, committed, budget, None)?,
+            TreeShape::Dynamic { budget } => {
+                self.dynamic(model, committed, budget, Growth::ToBudget)?
+            }
             TreeShape::AdaptiveDynamic { budget } => {
-                let growth = Growth {
-                    costs: self.depth.growth_costs(self.calibration()),
-                    // Before any measurement the first wave is placed regardless, to learn what
-                    // drafting buys and costs.
-                    forced_waves: usize::from(self.depth.rounds() == 0),
+                let growth = match self.depth.growth_costs(self.calibration()) {
+                    Some(costs) => Growth::WhilePaying(costs),
+                    None => Growth::FirstWave,
                 };
-                self.dynamic(model, committed, budget, Some(growth))?
+                self.dynamic(model, committed, budget, growth)?
             }
         };
         self.drafted = Some(drafted);
@@ -287,7 +288,7 @@ impl Speculator {
         model: &mut dyn DraftModel,
         committed: &[u32],
         budget: usize,
-        growth: Option<Growth>,
+        growth: Growth,
     ) -> Result<(TokenTree, Drafted), ModelError> {
         assert_eq!(
             self.mode,
@@ -488,13 +489,12 @@ fn log_sum_exp(l: &[f32]) -> f64 {
 
 /// Best-first tree growth: candidates (a scored node's likely next tokens) are ranked by the
 /// draft's log-probability of the whole path; each wave adds the best few and scores them in one
-/// draft forward. With `growth`, a node is added only if it raises the round's expected rate
-/// (see [`TreeShape::AdaptiveDynamic`]).
+/// draft forward, as far as `growth` lets it.
 fn dynamic_tree(
     model: &mut dyn DraftModel,
     committed: &[u32],
     budget: usize,
-    growth: Option<Growth>,
+    growth: Growth,
 ) -> Result<(TokenTree, Drafted), ModelError> {
     const CHILDREN_PER_NODE: usize = 8;
     let mut tree = TokenTree::root(*committed.last().expect("committed tokens are never empty"));
@@ -515,12 +515,11 @@ fn dynamic_tree(
         }
         scored = tree.len();
         candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
-        let forced = growth.is_some_and(|g| drafted.forwards <= g.forced_waves);
         for i in 0..wave.min(budget + 1 - tree.len()) {
             let Some(&(logp, parent, token)) = candidates.last() else {
                 break;
             };
-            if !forced && growth.is_some_and(|g| !g.pays(&tree, drafted, logp.exp(), i == 0)) {
+            if !growth.places(&tree, drafted, logp.exp(), i == 0) {
                 break;
             }
             candidates.pop();
@@ -542,29 +541,34 @@ fn dynamic_tree(
             forwards: drafted.forwards + 1,
             ..drafted
         };
-        if growth.is_some_and(|g| {
-            after_next.forwards > g.forced_waves && !g.pays(&tree, after_next, bound, true)
-        }) {
+        if !growth.places(&tree, after_next, bound, true) {
             break;
         }
     }
     Ok((tree, drafted))
 }
 
-/// How an adaptive dynamic tree decides to grow.
+/// How far a dynamic tree grows.
 #[derive(Clone, Copy, Debug)]
-struct Growth {
-    /// `None` until a round was measured: only the forced waves are placed.
-    costs: Option<GrowthCosts>,
-    /// Waves placed whatever they cost.
-    forced_waves: usize,
+enum Growth {
+    /// To its budget ([`TreeShape::Dynamic`]).
+    ToBudget,
+    /// The first wave only: an adaptive tree before any round was measured, placing some nodes
+    /// to learn what drafting buys and costs.
+    FirstWave,
+    /// While each node pays at the measured costs ([`TreeShape::AdaptiveDynamic`]).
+    WhilePaying(GrowthCosts),
 }
 
 impl Growth {
-    /// [`GrowthCosts::pays`]; nothing pays before costs were measured.
-    fn pays(&self, tree: &TokenTree, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
-        self.costs
-            .is_some_and(|c| c.pays(tree, so_far, p, first_of_wave))
+    /// Whether a node with path probability `p` goes into `tree`, built with `so_far`'s forwards
+    /// (a wave's first node: scored by the last of them).
+    fn places(&self, tree: &TokenTree, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
+        match self {
+            Growth::ToBudget => true,
+            Growth::FirstWave => so_far.forwards == 1,
+            Growth::WhilePaying(c) => c.pays(tree, so_far, p, first_of_wave),
+        }
     }
 }
 
@@ -676,16 +680,9 @@ impl DraftedPart {
         }
     }
 
-    /// How many of a verdict's accepted nodes (root-to-leaf) the draft model proposed.
-    pub fn accepted(&self, accepted_nodes: &[u32]) -> usize {
-        accepted_nodes
-            .iter()
-            .take_while(|&&n| (n as usize) < self.nodes)
-            .count()
-    }
-
     /// The round as the controllers take it: `tree_nodes` sent in all, the verdict's
-    /// `accepted_nodes`, and the times as in [`RoundObservation`].
+    /// `accepted_nodes` (root-to-leaf; those the draft model proposed count as its accepted),
+    /// and the times as in [`RoundObservation`].
     pub fn observation(
         &self,
         tree_nodes: usize,
@@ -697,7 +694,10 @@ impl DraftedPart {
         RoundObservation {
             tree_depth: self.depth,
             tree_nodes,
-            accepted: self.accepted(accepted_nodes),
+            accepted: accepted_nodes
+                .iter()
+                .take_while(|&&n| (n as usize) < self.nodes)
+                .count(),
             draft_s,
             round_s,
             forward_s,
@@ -789,7 +789,7 @@ impl DepthController {
     }
 
     /// The costs a growing dynamic tree weighs, with `calibration` accepted tokens per unit of
-    /// path probability; `None` before any round was measured (grow to the budget, to learn).
+    /// path probability; `None` before any round was measured.
     pub(crate) fn growth_costs(&self, calibration: f64) -> Option<GrowthCosts> {
         let (intercept, slope) = self.verify_fit();
         (self.rounds > 0).then_some(GrowthCosts {
@@ -804,11 +804,6 @@ impl DepthController {
     /// Expected seconds of a plain decoding round (the root alone).
     pub fn plain_seconds(&self) -> f64 {
         (self.fixed + self.verify_seconds(1)).max(1e-9)
-    }
-
-    /// Rounds observed.
-    pub fn rounds(&self) -> usize {
-        self.rounds
     }
 
     /// Learns from one round whose tree cost `draft_forwards` draft model forwards (an expansion

@@ -70,7 +70,7 @@ pub struct BrowserClient {
     shown_chars: usize,
     rounds: u32,
     draft_ms: f64,
-    /// Tree nodes drafted in this answer (the SSM's work).
+    /// Tree nodes sent in this answer (the SSM's and the context lookup's).
     drafted_nodes: usize,
     /// The round in flight, for the adaptive tree to learn from.
     sent: Option<SentRound>,
