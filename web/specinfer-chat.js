@@ -146,6 +146,24 @@ class SpecinferChat extends HTMLElement {
     this.statusLine.append(retry);
   }
 
+  /** Reconnects and gets the answer's session back; resolves with {stream, finished}. */
+  async recover(answer) {
+    await this.connect();
+    this.setBusy(true);
+    let stream = new FrameStream(await this.wt.createBidirectionalStream());
+    await stream.write(this.client.resume());
+    const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+    if (event.event === "resumed") {
+      answer.textContent += event.text;
+      return { stream, finished: event.finished };
+    }
+    // The verifier no longer holds it: open it again on a fresh stream.
+    stream = new FrameStream(await this.wt.createBidirectionalStream());
+    await stream.write(this.client.reopen());
+    this.client.on_frame(await stream.readFrame(this.client));
+    return { stream, finished: false };
+  }
+
   fail(message) {
     this.setStatus(message);
     this.dispatchEvent(new CustomEvent("failed", { detail: message }));
@@ -167,13 +185,27 @@ class SpecinferChat extends HTMLElement {
     this.setBusy(true);
     try {
       if (!this.wt) throw new Error("not connected");
-      const stream = new FrameStream(await this.wt.createBidirectionalStream());
+      let stream = new FrameStream(await this.wt.createBidirectionalStream());
       const started = performance.now();
       await stream.write(this.client.open(text, maxTokens));
       this.client.on_frame(await stream.readFrame(this.client));
+      let reconnects = 0;
       for (;;) {
-        await stream.write(this.client.next_round());
-        const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+        const frame = this.client.next_round();
+        let body;
+        try {
+          await stream.write(frame);
+          body = await stream.readFrame(this.client);
+        } catch (lostStream) {
+          // The connection broke mid-answer: resume the session on a new one (or open it again
+          // with everything committed), as the native client does; nothing streamed is lost.
+          if (++reconnects > 3) throw lostStream;
+          const recovered = await this.recover(answer);
+          stream = recovered.stream;
+          if (recovered.finished) break;
+          continue;
+        }
+        const event = JSON.parse(this.client.on_frame(body));
         answer.textContent += event.text;
         this.log.scrollTop = this.log.scrollHeight;
         const s = JSON.parse(this.client.stats());

@@ -12,15 +12,14 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use plotters::prelude::*;
 use serde_json::{json, Value};
-use specinfer_edge::{
-    CachedDraft, Client, ContextLookup, DraftMode, Drafting, EmbeddedVerifier, Speculator,
-    TreeShape,
-};
+use specinfer_edge::{Client, EmbeddedVerifier};
 use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree, Tokenizer};
+use specinfer_speculator::{
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeShape,
+};
 use specinfer_train::{data, eval, teacher};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::Session;
-use specinfer_wire::{DrawMode, Limits, SamplingParams, TokenTree, VerifyMode};
+use specinfer_wire::{DrawMode, SamplingParams, TokenTree, VerifyMode};
 
 #[derive(Parser)]
 #[command(
@@ -297,15 +296,15 @@ fn main() -> Result<()> {
                 .to_socket_addrs()?
                 .next()
                 .with_context(|| format!("{server} resolves to no address"))?;
-            let remote = specinfer_edge::RemoteConfig {
+            let remote = specinfer_net::RemoteConfig {
                 addr,
                 server_name: "localhost".into(),
-                trust: specinfer_verifier::net::Trust::pinned_hex(
+                trust: specinfer_net::Trust::pinned_hex(
                     args.pin.as_deref().context("--server needs --pin")?,
                 )?,
                 api_key: args.api_key.clone(),
                 expected_model: ctx.tok.fingerprint(),
-                idle_timeout: specinfer_edge::RemoteConfig::DEFAULT_IDLE_TIMEOUT,
+                idle_timeout: specinfer_net::RemoteConfig::DEFAULT_IDLE_TIMEOUT,
             };
             (remote, None)
         }
@@ -539,38 +538,54 @@ fn params(ctx: &Ctx, mode: VerifyMode, seed: u64) -> SamplingParams {
     }
 }
 
+/// The SSM's drafting for `mode` (its proposals drawn as `draw` when sampling).
+fn draft_mode(mode: VerifyMode, draw: DrawMode) -> DraftMode {
+    match mode {
+        VerifyMode::Greedy => DraftMode::Greedy,
+        _ => DraftMode::Sample {
+            temperature: 0.8,
+            top_p: 1.0,
+            top_k: DraftMode::SAMPLED_TOP_K,
+            draw,
+        },
+    }
+}
+
+/// A driver for one prompt: trees of `shape` drafted by the SSM (none: incremental decoding).
+fn driver<'a>(
+    ctx: &'a Ctx,
+    ids: &[u32],
+    params: SamplingParams,
+    shape: Option<&TreeShape>,
+    draft: DraftMode,
+    seed: u64,
+) -> Result<RoundDriver<'a>> {
+    let drafter = shape.map(|s| Drafter {
+        speculator: Speculator::with_shape(s.clone(), draft, seed),
+        drafts: vec![Box::new(CachedDraft::new(ctx.ssm.as_ref())) as Box<dyn DraftModel + Send>],
+    });
+    Ok(RoundDriver::new(ids.to_vec(), params, drafter)?)
+}
+
 /// Generation with an in-process verifier session (compute only, no network).
 fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMode) -> Result<Run> {
-    let limits = Limits::default();
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().enumerate() {
-        let mut session = Session::open(&*ctx.llm, ids, params(ctx, mode, i as u64), &limits)?;
-        let draft_mode = match mode {
-            VerifyMode::Greedy => DraftMode::Greedy,
-            _ => DraftMode::Sample {
-                temperature: 0.8,
-                top_p: 1.0,
-                top_k: 16,
-                draw,
-            },
-        };
-        let mut spec = shape
-            .clone()
-            .map(|s| Speculator::with_shape(s, draft_mode, i as u64));
-        let mut draft = CachedDraft::new(ctx.ssm.as_ref());
+        let params = params(ctx, mode, i as u64);
+        let mut d = driver(
+            ctx,
+            ids,
+            params,
+            shape.as_ref(),
+            draft_mode(mode, draw),
+            i as u64,
+        )?;
         let start = Instant::now();
-        while session.finish().is_none() {
-            let tree = match &mut spec {
-                Some(s) => s.draft(&mut draft, session.tokens())?,
-                None => TokenTree::root(session.root()),
-            };
-            let t = Instant::now();
-            let out = session.verify(&*ctx.llm, &limits, &tree)?;
-            run.verifier_seconds += t.elapsed().as_secs_f64();
-            run.tokens += out.tokens.len();
-            run.rounds += 1;
-        }
+        eval::run_in_process(&ctx.llm, &mut d)?;
         run.seconds += start.elapsed().as_secs_f64();
+        run.verifier_seconds += d.stats().verifier_forward_s;
+        run.tokens += d.generated().len();
+        run.rounds += d.stats().rounds;
     }
     Ok(run)
 }
@@ -579,7 +594,7 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMo
 async fn run_remote(
     ctx: &Ctx,
     prompts: usize,
-    verifier: &specinfer_edge::RemoteConfig,
+    verifier: &specinfer_net::RemoteConfig,
     shape: Option<TreeShape>,
     pipelining: bool,
     lookup: bool,
@@ -587,33 +602,20 @@ async fn run_remote(
 ) -> Result<Run> {
     let mut client = Client::connect(verifier.clone()).await?;
     client.emulate_round_trip(Duration::from_millis(rtt_ms));
-    client.set_pipelining(pipelining);
-    client.set_context_lookup(lookup.then(ContextLookup::default));
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().take(prompts).enumerate() {
-        let g = match &shape {
-            Some(s) => {
-                let mut speculator = Speculator::with_shape(s.clone(), DraftMode::Greedy, i as u64);
-                let mut draft = CachedDraft::new(ctx.ssm.as_ref());
-                let drafting = Drafting::Tree {
-                    speculator: &mut speculator,
-                    drafts: vec![&mut draft],
-                };
-                client
-                    .generate(ids, params(ctx, VerifyMode::Greedy, 0), drafting, |_| {})
-                    .await?
-            }
-            None => {
-                client
-                    .generate(
-                        ids,
-                        params(ctx, VerifyMode::Greedy, 0),
-                        Drafting::None,
-                        |_| {},
-                    )
-                    .await?
-            }
-        };
+        let params = params(ctx, VerifyMode::Greedy, 0);
+        let mut d = driver(
+            ctx,
+            ids,
+            params,
+            shape.as_ref(),
+            DraftMode::Greedy,
+            i as u64,
+        )?
+        .with_pipelining(pipelining)
+        .with_lookup(lookup.then(ContextLookup::default));
+        let g = client.generate(&mut d, |_| {}).await?;
         run.tokens += g.token_ids.len();
         run.rounds += g.rounds;
         run.seconds += g.wall.as_secs_f64();
@@ -637,7 +639,7 @@ struct Concurrent {
 /// `<1,1,k,1,1,1,1,1>` (k = 0: incremental decoding).
 async fn concurrent(
     ctx: &Ctx,
-    verifier: &specinfer_edge::RemoteConfig,
+    verifier: &specinfer_net::RemoteConfig,
     k: usize,
     sessions: usize,
     max_new: u32,
@@ -653,20 +655,17 @@ async fn concurrent(
         };
         tasks.push(tokio::spawn(async move {
             let mut client = Client::connect(remote).await?;
-            let g = if k == 0 {
-                client
-                    .generate(&prompt, params, Drafting::None, |_| {})
-                    .await?
-            } else {
+            let drafter = (k > 0).then(|| {
                 let shape = TreeShape::Expansion(vec![1, 1, k, 1, 1, 1, 1, 1]);
-                let mut speculator = Speculator::with_shape(shape, DraftMode::Greedy, s as u64);
-                let mut draft = CachedDraft::new(ssm.as_ref());
-                let drafting = Drafting::Tree {
-                    speculator: &mut speculator,
-                    drafts: vec![&mut draft],
-                };
-                client.generate(&prompt, params, drafting, |_| {}).await?
-            };
+                Drafter {
+                    speculator: Speculator::with_shape(shape, DraftMode::Greedy, s as u64),
+                    drafts: vec![
+                        Box::new(CachedDraft::new(ssm.as_ref())) as Box<dyn DraftModel + Send>
+                    ],
+                }
+            });
+            let mut driver = RoundDriver::new(prompt, params, drafter)?;
+            let g = client.generate(&mut driver, |_| {}).await?;
             client.shutdown().await;
             anyhow::Ok(g)
         }));
@@ -733,7 +732,8 @@ fn plot_lines(
     let xs = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0));
     let ys = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.1));
     let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
-    let y1 = ys.fold(0f64, f64::max) * 1.15;
+    // Headroom above the highest point for the legend.
+    let y1 = ys.fold(0f64, f64::max) * 1.35;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 20))
         .margin(12)
@@ -745,17 +745,32 @@ fn plot_lines(
         .x_desc(x_label)
         .y_desc(y_label)
         .draw()?;
-    let colors = [BLUE, RED, GREEN, MAGENTA];
-    for ((name, points), color) in series.iter().zip(colors) {
+    // Eight colours told apart in print (Okabe-Ito plus grey and black); a ninth series would
+    // reuse one, never vanish.
+    let colors = [
+        RGBColor(0, 114, 178),
+        RGBColor(213, 94, 0),
+        RGBColor(0, 158, 115),
+        RGBColor(204, 121, 167),
+        RGBColor(230, 159, 0),
+        RGBColor(86, 180, 233),
+        RGBColor(120, 120, 120),
+        RGBColor(0, 0, 0),
+    ];
+    for ((name, points), &color) in series.iter().zip(colors.iter().cycle()) {
         chart
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
             .label(*name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+            });
         chart.draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))?;
     }
     chart
         .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.9))
         .border_style(BLACK)
         .draw()?;
     root.present()?;

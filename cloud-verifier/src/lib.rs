@@ -2,11 +2,10 @@
 //!
 //! Layers, from pure to I/O: [`verify`] (verification algorithms), [`session`] (one sequence's
 //! state, batched verification), [`engine`] (the thread that owns the model and batches rounds of
-//! many sessions), [`service`] (QUIC, auth, metrics), [`net`] (frames over QUIC, TLS).
+//! many sessions), [`service`] (QUIC, auth, metrics); frames and TLS come from `specinfer-net`.
 
 pub mod engine;
 pub mod metrics;
-pub mod net;
 pub mod service;
 pub mod session;
 pub mod verify;

@@ -17,14 +17,13 @@ use std::future::Future;
 
 use specinfer_model::TreeModel;
 use specinfer_wire::{
-    ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, Verified,
-    PROTOCOL_VERSION,
+    ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use crate::engine::{self, EngineConfig, EngineError, EngineHandle, SessionId};
 use crate::metrics::Metrics;
-use crate::net::{read_frame, write_frame, NetError, ServerIdentity};
+use specinfer_net::{read_frame, write_frame, NetError, RemoteConfig, ServerIdentity, Trust};
 
 #[derive(Clone)]
 pub struct ServiceConfig {
@@ -96,6 +95,35 @@ pub struct RunningVerifier {
     engine_thread: Option<std::thread::JoinHandle<()>>,
     accept: tokio::task::JoinHandle<()>,
     web: Option<(quinn::Endpoint, tokio::task::JoinHandle<()>)>,
+}
+
+/// A verifier on 127.0.0.1 (a free port) with a fresh self-signed certificate, and the client
+/// configuration that reaches it: pinned to that certificate, with the one API key `cfg`
+/// accepts. What a first run's embedded verifier and the end-to-end tests start.
+pub fn start_loopback<M: TreeModel + 'static>(
+    model: Arc<M>,
+    api_key: String,
+    cfg: ServiceConfig,
+) -> Result<(RunningVerifier, RemoteConfig), NetError> {
+    let identity = ServerIdentity::self_signed(&["localhost"])?;
+    let cfg = ServiceConfig {
+        api_keys: Some([api_key.clone()].into()),
+        ..cfg
+    };
+    let remote = RemoteConfig {
+        addr: "127.0.0.1:0".parse().expect("literal"),
+        server_name: "localhost".into(),
+        trust: Trust::pinned_hex(&identity.fingerprint())?,
+        api_key: Some(api_key),
+        expected_model: cfg.fingerprint.clone(),
+        idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
+    };
+    let server = start(model, &identity, remote.addr, cfg)?;
+    let remote = RemoteConfig {
+        addr: server.local_addr(),
+        ..remote
+    };
+    Ok((server, remote))
 }
 
 /// Starts the engine thread and the QUIC endpoint. Must be called inside a tokio runtime.
@@ -425,16 +453,7 @@ where
                     match ctx.engine.verify(b.id, v.tree).await {
                         Ok(r) => {
                             b.next_round += 1;
-                            let accepted =
-                                r.outcome.accepted_nodes.len().min(r.outcome.tokens.len());
-                            Message::Verified(Verified {
-                                session: v.session,
-                                round: v.round,
-                                accepted_nodes: r.outcome.accepted_nodes[..accepted].to_vec(),
-                                tokens: r.outcome.tokens,
-                                finish: r.outcome.finish,
-                                stats: r.stats,
-                            })
+                            Message::Verified(r.outcome.into_verified(v.session, v.round, r.stats))
                         }
                         Err(e) => {
                             let fatal = e.code == ErrorCode::BadFrame;

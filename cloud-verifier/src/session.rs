@@ -6,7 +6,9 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::distribution;
 use specinfer_model::{Llama, ModelError, TreeModel};
-use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, TreeError, VerifyMode};
+use specinfer_wire::{
+    FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified, VerifyMode,
+};
 
 use crate::verify::{verify_greedy, verify_naive_sampling, verify_stochastic, Verdict};
 
@@ -53,6 +55,24 @@ pub struct RoundOutcome {
     pub finish: Option<FinishReason>,
     pub accepted_at_depth: Vec<u32>,
     pub rejected_at_depth: Vec<u32>,
+}
+
+impl RoundOutcome {
+    /// The wire's answer to round `round` of `session` (accepted nodes cut where a stop cut the
+    /// tokens).
+    pub fn into_verified(self, session: u64, round: u32, stats: RoundStats) -> Verified {
+        let accepted = self.accepted_nodes.len().min(self.tokens.len());
+        let mut accepted_nodes = self.accepted_nodes;
+        accepted_nodes.truncate(accepted);
+        Verified {
+            session,
+            round,
+            accepted_nodes,
+            tokens: self.tokens,
+            finish: self.finish,
+            stats,
+        }
+    }
 }
 
 pub struct Session<M: TreeModel = Llama> {

@@ -1,17 +1,14 @@
 //! An in-process verifier on loopback, for the first run without a server: the same QUIC path as
 //! a remote verifier, with a fresh self-signed certificate pinned and a random API key.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use specinfer_model::{Llama, Tokenizer};
+use specinfer_net::{NetError, RemoteConfig};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::{NetError, ServerIdentity, Trust};
 use specinfer_verifier::service::{self, ServiceConfig};
 use tokio::sync::oneshot;
-
-use crate::remote::RemoteConfig;
 
 pub struct EmbeddedVerifier {
     pub remote: RemoteConfig,
@@ -27,17 +24,15 @@ impl EmbeddedVerifier {
         tokenizer: &Tokenizer,
         engine: EngineConfig,
     ) -> Result<Self, NetError> {
-        let identity = ServerIdentity::self_signed(&["localhost"])?;
-        let trust = Trust::pinned_hex(&identity.fingerprint())?;
-        let api_key = random_key();
         let cfg = ServiceConfig {
             engine,
-            api_keys: Some([api_key.clone()].into()),
+            api_keys: None,
             model_name: "embedded".into(),
             fingerprint: tokenizer.fingerprint(),
             hello_timeout: Duration::from_secs(10),
         };
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel::<Result<SocketAddr, NetError>>();
+        let api_key = random_key();
+        let (remote_tx, remote_rx) = std::sync::mpsc::channel::<Result<RemoteConfig, NetError>>();
         let (stop, stopped) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("specinfer-embedded-verifier".into())
@@ -47,31 +42,22 @@ impl EmbeddedVerifier {
                     .build()
                 {
                     Ok(rt) => rt,
-                    Err(e) => return drop(addr_tx.send(Err(e.into()))),
+                    Err(e) => return drop(remote_tx.send(Err(e.into()))),
                 };
                 rt.block_on(async move {
-                    let listen: SocketAddr = "127.0.0.1:0".parse().expect("literal");
-                    match service::start(model, &identity, listen, cfg) {
-                        Ok(server) => {
-                            let _ = addr_tx.send(Ok(server.local_addr()));
+                    match service::start_loopback(model, api_key, cfg) {
+                        Ok((server, remote)) => {
+                            let _ = remote_tx.send(Ok(remote));
                             let _ = stopped.await;
                             server.shutdown().await;
                         }
-                        Err(e) => drop(addr_tx.send(Err(e))),
+                        Err(e) => drop(remote_tx.send(Err(e))),
                     }
                 });
             })?;
-        let addr = addr_rx
+        let remote = remote_rx
             .recv()
             .map_err(|_| NetError::Tls("embedded verifier thread died".into()))??;
-        let remote = RemoteConfig {
-            addr,
-            server_name: "localhost".into(),
-            trust,
-            api_key: Some(api_key),
-            expected_model: tokenizer.fingerprint(),
-            idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
-        };
         Ok(EmbeddedVerifier {
             remote,
             stop: Some(stop),

@@ -1,19 +1,16 @@
-//! The edge side of specinfer: a draft model proposes, the speculator shapes its proposals into a
-//! token tree, a verifier (remote over QUIC, or embedded in-process on loopback) decides.
+//! The edge side of specinfer: a draft model proposes, the round driver (`specinfer-speculator`)
+//! shapes its proposals into token trees, a verifier (remote over QUIC, or embedded in-process
+//! on loopback) decides. This crate is the I/O around the driver: the QUIC client loop with
+//! reconnection, the embedded verifier, and the `specinfer` CLI.
 
 pub mod client;
+#[cfg(feature = "embedded-verifier")]
 pub mod embedded;
-pub mod onnx;
-pub mod remote;
+pub mod setup;
 
-pub use client::{Client, ClientError, Drafting, Generation};
+pub use client::{Client, ClientError, EmulatedRoundTrip, Generation};
+#[cfg(feature = "embedded-verifier")]
 pub use embedded::EmbeddedVerifier;
-pub use onnx::OnnxModel;
-pub use remote::{Remote, RemoteConfig, RemoteError, RemoteSession};
-pub use specinfer_speculator::{draft, speculator};
-pub use specinfer_speculator::{
-    merge_trees, DepthController, DraftMode, DraftedPart, RoundObservation, Speculator, TreeShape,
-};
-pub use specinfer_speculator::{
-    AdaptiveLookup, CachedDraft, ContextLookup, DraftModel, TreeScorer,
+pub use setup::{
+    ClientOptions, ClientSetup, Decoding, DraftBackend, SetupError, SetupEvent, VerifierChoice,
 };

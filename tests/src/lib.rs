@@ -6,10 +6,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
-use specinfer_edge::{CachedDraft, DraftModel, RemoteConfig};
 use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, ModelError, Tokenizer};
+use specinfer_net::RemoteConfig;
+use specinfer_speculator::{CachedDraft, DraftModel};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::{ServerIdentity, Trust};
 use specinfer_verifier::service::{self, RunningVerifier, ServiceConfig};
 use specinfer_wire::TokenTree;
 
@@ -46,30 +46,14 @@ pub fn chat_ids(prompt: &str) -> Vec<u32> {
 /// A verifier on 127.0.0.1 with a fresh pinned certificate; returns it and a client config.
 pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
     let (model, tok) = smollm2();
-    let identity = ServerIdentity::self_signed(&["localhost"]).unwrap();
     let cfg = ServiceConfig {
         engine,
-        api_keys: Some([API_KEY.to_string()].into()),
+        api_keys: None,
         model_name: "SmolLM2-135M-Instruct".into(),
         fingerprint: tok.fingerprint(),
         hello_timeout: Duration::from_secs(5),
     };
-    let server = service::start(
-        model.clone(),
-        &identity,
-        "127.0.0.1:0".parse().unwrap(),
-        cfg,
-    )
-    .unwrap();
-    let remote = RemoteConfig {
-        addr: server.local_addr(),
-        server_name: "localhost".into(),
-        trust: Trust::pinned_hex(&identity.fingerprint()).unwrap(),
-        api_key: Some(API_KEY.into()),
-        expected_model: tok.fingerprint(),
-        idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
-    };
-    (server, remote)
+    service::start_loopback(model.clone(), API_KEY.into(), cfg).unwrap()
 }
 
 /// The LLM itself with seeded noise on its logits: it proposes the LLM's own top-k, often in the

@@ -11,11 +11,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use specinfer_edge::{CachedDraft, Client, DraftMode, Drafting, Speculator, TreeShape};
+use specinfer_edge::Client;
 use specinfer_integration::{chat_ids, default_ssm_dir, smollm2, start_verifier, API_KEY};
 use specinfer_model::Llama;
+use specinfer_net::ServerIdentity;
+use specinfer_speculator::{CachedDraft, DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::ServerIdentity;
 use specinfer_verifier::web::{demo_files, serve_web, DemoEndpoint};
 use specinfer_wire::SamplingParams;
 
@@ -58,25 +59,20 @@ async fn the_browser_widget_answers_like_the_native_client() {
     // The native client, drafting with the same SSM and tree shape as the page.
     let ssm = Llama::from_safetensors(&default_ssm_dir()).unwrap();
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    let mut speculator =
-        Speculator::with_shape(TreeShape::Expansion(vec![1, 1, 3, 1]), DraftMode::Greedy, 0);
-    let mut draft = CachedDraft::new(&ssm);
+    let drafter = Drafter {
+        speculator: Speculator::with_shape(
+            TreeShape::Expansion(vec![1, 1, 3, 1]),
+            DraftMode::Greedy,
+            0,
+        ),
+        drafts: vec![Box::new(CachedDraft::new(&ssm))],
+    };
     let params = SamplingParams {
         stop_ids: tok.eos().to_vec(),
         ..SamplingParams::greedy(MAX_TOKENS)
     };
-    let native = client
-        .generate(
-            &chat_ids(PROMPT),
-            params,
-            Drafting::Tree {
-                speculator: &mut speculator,
-                drafts: vec![&mut draft],
-            },
-            |_| {},
-        )
-        .await
-        .unwrap();
+    let mut driver = RoundDriver::new(chat_ids(PROMPT), params, Some(drafter)).unwrap();
+    let native = client.generate(&mut driver, |_| {}).await.unwrap();
     client.shutdown().await;
 
     let identity = ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"]).unwrap();

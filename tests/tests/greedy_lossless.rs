@@ -5,9 +5,9 @@
 //! every depth, and exercise KV compaction of non-trivial paths. Each prompt runs once more with
 //! the context lookup's chain added to every tree.
 
-use specinfer_edge::{ContextLookup, DraftMode, Speculator};
 use specinfer_integration::{smollm2, NoisyDraft};
 use specinfer_model::{ChatMessage, Llama};
+use specinfer_speculator::{ContextLookup, DraftMode, Speculator};
 use specinfer_verifier::Session;
 use specinfer_wire::{Limits, SamplingParams, TokenTree};
 

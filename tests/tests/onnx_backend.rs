@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_edge::onnx::init_runtime;
-use specinfer_edge::{CachedDraft, DraftModel, OnnxModel};
 use specinfer_integration::{cache_dir, default_ssm_dir};
 use specinfer_model::{fetch, Arch, Llama, ModelConfig};
+use specinfer_onnx::{init_runtime, OnnxModel};
+use specinfer_speculator::{CachedDraft, DraftModel};
 use specinfer_wire::TokenTree;
 
 fn runtime() {

@@ -4,10 +4,12 @@
 
 use std::time::Duration;
 
-use specinfer_edge::{Client, DraftMode, Drafting, Generation, RemoteConfig, Speculator};
+use specinfer_edge::{Client, Generation};
 use specinfer_integration::{chat_ids, smollm2, start_verifier, NoisyDraft, UdpRelay, API_KEY};
+use specinfer_net::RemoteConfig;
+use specinfer_net::{client_config, read_frame, write_frame};
+use specinfer_speculator::{ContextLookup, DraftMode, Drafter, RoundDriver, Speculator};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::{client_config, read_frame, write_frame};
 use specinfer_wire::*;
 
 async fn generate(
@@ -17,41 +19,29 @@ async fn generate(
     tree: Option<(Vec<usize>, DraftMode, u64)>,
 ) -> Generation {
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    let g = generate_on(&mut client, prompt, params, tree).await;
+    let g = generate_on(&mut client, prompt, params, tree, None).await;
     client.shutdown().await;
     g
 }
 
-/// One generation on `client`: incremental, or with trees of `expansion` from a noisy SmolLM2.
+/// One generation on `client`: incremental, or with trees of `expansion` from a noisy SmolLM2;
+/// with `lookup`'s chain added to every tree.
 async fn generate_on(
     client: &mut Client,
     prompt: &[u32],
     params: SamplingParams,
     tree: Option<(Vec<usize>, DraftMode, u64)>,
+    lookup: Option<ContextLookup>,
 ) -> Generation {
     let (llm, _) = smollm2();
-    match tree {
-        None => client
-            .generate(prompt, params, Drafting::None, |_| {})
-            .await
-            .unwrap(),
-        Some((expansion, mode, seed)) => {
-            let mut speculator = Speculator::new(expansion, mode, seed);
-            let mut draft = NoisyDraft::new(llm, seed, 2.0);
-            client
-                .generate(
-                    prompt,
-                    params,
-                    Drafting::Tree {
-                        speculator: &mut speculator,
-                        drafts: vec![&mut draft],
-                    },
-                    |_| {},
-                )
-                .await
-                .unwrap()
-        }
-    }
+    let drafter = tree.map(|(expansion, mode, seed)| Drafter {
+        speculator: Speculator::new(expansion, mode, seed),
+        drafts: vec![Box::new(NoisyDraft::new(llm, seed, 2.0))],
+    });
+    let mut driver = RoundDriver::new(prompt.to_vec(), params, drafter)
+        .unwrap()
+        .with_lookup(lookup);
+    client.generate(&mut driver, |_| {}).await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,7 +124,6 @@ async fn seeded_sampling_over_quic_is_reproducible() {
 /// without proposals would be refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() {
-    use specinfer_edge::ContextLookup;
     let (server, remote) = start_verifier(EngineConfig::default());
     let ids = chat_ids("Repeat the sentence 'The cat sat on the mat.' five times.");
     let greedy = SamplingParams::greedy(48);
@@ -155,11 +144,11 @@ async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() 
         draw: DrawMode::Iid,
     };
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    client.set_context_lookup(Some(ContextLookup::default()));
+    let lookup = Some(ContextLookup::default());
     for (params, mode) in [(greedy, DraftMode::Greedy), (sampled, sample_draft)] {
-        let alone = generate_on(&mut client, &ids, params.clone(), None).await;
+        let alone = generate_on(&mut client, &ids, params.clone(), None, lookup).await;
         let tree = Some((vec![1, 2, 1], mode, 9));
-        let with_tree = generate_on(&mut client, &ids, params.clone(), tree).await;
+        let with_tree = generate_on(&mut client, &ids, params.clone(), tree, lookup).await;
         for (what, g) in [("lookup alone", &alone), ("lookup and tree", &with_tree)] {
             println!(
                 "{:?} {what}: {} rounds, {} tokens from the lookup",
@@ -488,7 +477,7 @@ async fn a_session_survives_a_dropped_connection_and_resumes() {
         .await
         .token_ids;
 
-    let first = specinfer_edge::Remote::connect(&remote).await.unwrap();
+    let first = specinfer_net::Remote::connect(&remote).await.unwrap();
     let mut s = first
         .open(5, ids.clone(), SamplingParams::greedy(12))
         .await
@@ -502,7 +491,7 @@ async fn a_session_survives_a_dropped_connection_and_resumes() {
     drop(s);
     drop(first); // the connection goes away without a Close
 
-    let second = specinfer_edge::Remote::connect(&remote).await.unwrap();
+    let second = specinfer_net::Remote::connect(&remote).await.unwrap();
     // The verifier notices the lost connection asynchronously; until then the session is still
     // attached and cannot be taken over.
     let mut tries = 0;
@@ -563,28 +552,24 @@ async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
         ..direct.clone()
     };
     let mut client = Client::connect(remote).await.unwrap();
-    client.set_pipelining(true);
-    let mut speculator = Speculator::new(vec![1, 2, 1], DraftMode::Greedy, 3);
-    let mut draft = NoisyDraft::new(llm, 3, 2.0);
+    let drafter = Drafter {
+        speculator: Speculator::new(vec![1, 2, 1], DraftMode::Greedy, 3),
+        drafts: vec![Box::new(NoisyDraft::new(llm, 3, 2.0))],
+    };
+    let mut driver = RoundDriver::new(ids.clone(), params, Some(drafter))
+        .unwrap()
+        .with_pipelining(true);
     let mut streamed = Vec::new();
     let mut cut = false;
     let g = client
-        .generate(
-            &ids,
-            params,
-            Drafting::Tree {
-                speculator: &mut speculator,
-                drafts: vec![&mut draft],
-            },
-            |new| {
-                streamed.extend_from_slice(new);
-                // After the second round the network goes away mid-generation.
-                if streamed.len() >= 2 && !cut {
-                    relay.cut_existing();
-                    cut = true;
-                }
-            },
-        )
+        .generate(&mut driver, |out| {
+            streamed.extend_from_slice(&out.tokens);
+            // After the second round the network goes away mid-generation.
+            if streamed.len() >= 2 && !cut {
+                relay.cut_existing();
+                cut = true;
+            }
+        })
         .await
         .unwrap();
     assert_eq!(g.reconnects, 1, "the cut must have been noticed, once");

@@ -2,10 +2,11 @@
 //! the development certificate by its hash as a page does with `serverCertificateHashes`) speaks
 //! the native protocol over a WebTransport session and gets the same answer as a QUIC client.
 
-use specinfer_edge::{Client, Drafting};
+use specinfer_edge::Client;
 use specinfer_integration::{chat_ids, start_verifier, API_KEY};
+use specinfer_net::{read_frame, write_frame, ServerIdentity};
+use specinfer_speculator::RoundDriver;
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::{read_frame, write_frame, ServerIdentity};
 use specinfer_wire::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -19,14 +20,11 @@ async fn a_webtransport_session_gets_the_same_answer_as_quic() {
     let params = SamplingParams::greedy(16);
 
     let mut quic = Client::connect(remote.clone()).await.unwrap();
-    let reference = quic
-        .generate(&ids, params.clone(), Drafting::None, |_| {})
-        .await
-        .unwrap()
-        .token_ids;
+    let mut driver = RoundDriver::new(ids.clone(), params.clone(), None).unwrap();
+    let reference = quic.generate(&mut driver, |_| {}).await.unwrap().token_ids;
     quic.shutdown().await;
 
-    let hash = specinfer_model::fetch::parse_sha256_hex(&identity.fingerprint()).unwrap();
+    let hash = specinfer_wire::parse_sha256_hex(&identity.fingerprint()).unwrap();
     let client = web_transport_quinn::ClientBuilder::new()
         .with_server_certificate_hashes(vec![hash.to_vec()])
         .unwrap();

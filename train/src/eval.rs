@@ -3,12 +3,15 @@
 //! of the SSM, or of any SSM of an ensemble?) for greedy and stochastic decoding, and the tokens
 //! per round of real greedy speculation against the LLM (trees merged across an ensemble).
 
+use std::time::Instant;
+
 use anyhow::Result;
 use specinfer_kernels::sampling::distribution;
 use specinfer_model::{KvCache, Llama, SeqTree};
-use specinfer_wire::{Limits, SamplingParams, TokenTree};
-
-use specinfer_edge::{ContextLookup, DraftMode, Speculator, TreeShape};
+use specinfer_speculator::{
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeShape,
+};
+use specinfer_wire::{Limits, RoundStats, SamplingParams, TokenTree};
 
 use crate::teacher::Example;
 
@@ -176,7 +179,8 @@ pub fn tau(
     Ok(())
 }
 
-/// Mean tokens per round of greedy speculation with trees of `shape` (plus `lookup`'s chain).
+/// Mean tokens per round of greedy speculation with trees of `shape` (plus `lookup`'s chain),
+/// the adaptive shapes learning from each round as the clients' do.
 pub fn tau_with(
     llm: &Llama,
     ssms: &[&Llama],
@@ -185,36 +189,52 @@ pub fn tau_with(
     shape: &TreeShape,
     lookup: Option<ContextLookup>,
 ) -> Result<f64> {
-    use specinfer_edge::{CachedDraft, DraftModel};
-    let limits = Limits::default();
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for example in examples {
-        let mut session = specinfer_verifier::Session::open(
-            llm,
-            &example.prompt,
+        let drafter = Drafter {
+            speculator: Speculator::with_shape(shape.clone(), DraftMode::Greedy, 0),
+            drafts: ssms
+                .iter()
+                .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
+                .collect(),
+        };
+        let mut driver = RoundDriver::new(
+            example.prompt.clone(),
             SamplingParams::greedy(max_new),
-            &limits,
-        )?;
-        let mut speculator = Speculator::with_shape(shape.clone(), DraftMode::Greedy, 0);
-        let mut drafts: Vec<CachedDraft> = ssms.iter().map(|&m| CachedDraft::new(m)).collect();
-        while session.finish().is_none() {
-            let mut models: Vec<&mut (dyn DraftModel + Send)> = drafts
-                .iter_mut()
-                .map(|d| d as &mut (dyn DraftModel + Send))
-                .collect();
-            let mut tree = speculator.draft_merged(&mut models, session.tokens())?;
-            if let Some(lookup) = &lookup {
-                tree = lookup.extend(
-                    tree,
-                    session.tokens(),
-                    limits.max_tree_nodes as usize,
-                    false,
-                );
-            }
-            let out = session.verify(llm, &limits, &tree)?;
-            tokens += out.tokens.len();
-            rounds += 1;
-        }
+            Some(drafter),
+        )?
+        .with_lookup(lookup);
+        run_in_process(llm, &mut driver)?;
+        tokens += driver.generated().len();
+        rounds += driver.stats().rounds;
     }
     Ok(tokens as f64 / rounds.max(1) as f64)
+}
+
+/// Runs `driver`'s generation against an in-process verifier session of `llm` (compute only, no
+/// network): each round's forward is timed and reported in its verdict as a remote verifier
+/// reports it, so the adaptive shapes learn from real costs.
+pub fn run_in_process(llm: &Llama, driver: &mut RoundDriver<'_>) -> Result<()> {
+    let limits = Limits::default();
+    let (prompt, params) = driver.open_request();
+    let mut session = specinfer_verifier::Session::open(llm, &prompt, params, &limits)?;
+    driver.set_limits(&limits);
+    let start = Instant::now();
+    let clock = move || start.elapsed().as_secs_f64();
+    let mut round = 0;
+    while !driver.is_finished() {
+        let tree = driver.draft(&clock)?;
+        let nodes = tree.len() as u32;
+        let t = Instant::now();
+        let outcome = session.verify(llm, &limits, &tree)?;
+        let stats = RoundStats {
+            tree_nodes: nodes,
+            batch_size: 1,
+            queue_us: 0,
+            forward_us: t.elapsed().as_micros() as u32,
+        };
+        driver.on_verified(&outcome.into_verified(0, round, stats), clock())?;
+        round += 1;
+    }
+    Ok(())
 }

@@ -155,7 +155,9 @@ fn default_work(work: &Option<PathBuf>) -> PathBuf {
 fn load_llm(llm: &Option<PathBuf>) -> Result<(Llama, specinfer_model::Tokenizer)> {
     let path = match llm {
         Some(p) => p.clone(),
-        None => fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?,
+        None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
+            eprintln!("{}: {e}", env!("CARGO_BIN_NAME"))
+        })?,
     };
     Ok(load_gguf(&path)?)
 }
@@ -371,7 +373,8 @@ fn distil(
 /// Exports `ssm` to ONNX and runs it in ONNX Runtime on a held-out prompt and answer: the
 /// largest logit difference to the candle forward.
 fn check_onnx(ssm: &Llama, heldout: &[teacher::Example], path: &std::path::Path) -> Result<f32> {
-    use specinfer_edge::{OnnxModel, TreeScorer};
+    use specinfer_onnx::OnnxModel;
+    use specinfer_speculator::TreeScorer;
     use specinfer_wire::TokenTree;
     ssm.export_onnx(path, &[])?;
     let onnx = OnnxModel::load(path, 1)?;

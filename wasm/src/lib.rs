@@ -7,15 +7,17 @@
 //! is tested natively as well as in Node.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 use specinfer_model::{ChatMessage, Llama, Tokenizer};
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, DraftModel, DraftedPart, Speculator, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, Drafter, GenerationStats, Recovery, RoundDriver,
+    RoundError, RoundOutput, Speculator, TreeShape,
 };
 use specinfer_wire::{
-    decode_frame, encode_frame, frame_len, ClientHello, FinishReason, Limits, Message, OpenSession,
-    SamplingParams, TokenTree, Verify, FRAME_HEADER_BYTES, PROTOCOL_VERSION,
+    decode_frame, encode_frame, frame_len, ClientHello, ErrorCode, Limits, Message, OpenSession,
+    SamplingParams, Verify, FRAME_HEADER_BYTES, PROTOCOL_VERSION,
 };
 use wasm_bindgen::prelude::*;
 
@@ -53,34 +55,23 @@ struct ChatSettings {
     system: Option<String>,
 }
 
-/// One browser chat: an SSM, its draft state, and the protocol state of one session.
+/// One browser chat: an SSM drafting through the shared round driver, and the protocol state of
+/// the answer's session.
 #[wasm_bindgen]
 pub struct BrowserClient {
-    tokenizer: Tokenizer,
-    speculator: Speculator,
-    draft: CachedDraft<'static>,
+    tokenizer: Arc<Tokenizer>,
+    /// The drafter between answers (its speculator keeps what it measured).
+    drafter: Option<Drafter<'static>>,
+    /// The answer being generated (or the last one).
+    driver: Option<RoundDriver<'static>>,
     limits: Limits,
     session: u64,
+    /// The next round's number on the session's current stream (a resumed session's stream
+    /// counts from 0 again).
     round: u32,
-    committed: Vec<u32>,
-    prompt_len: usize,
-    in_flight: bool,
-    finished: bool,
-    /// Characters of the answer already handed out.
-    shown_chars: usize,
-    rounds: u32,
-    draft_ms: f64,
-    /// Tree nodes sent in this answer (the SSM's and the context lookup's).
-    drafted_nodes: usize,
-    /// The round in flight, for the adaptive tree to learn from.
-    sent: Option<SentRound>,
-}
-
-struct SentRound {
-    at_ms: f64,
-    draft_s: f64,
-    drafted: DraftedPart,
-    tree_nodes: usize,
+    resume_token: [u8; 16],
+    /// A Resume was sent and its answer is awaited.
+    resuming: bool,
 }
 
 /// Milliseconds since some fixed origin (for draft timing only).
@@ -128,21 +119,17 @@ impl BrowserClient {
         // The page holds one model for its lifetime: leaking it gives the draft a 'static borrow.
         let ssm: &'static Llama = Box::leak(Box::new(ssm));
         Ok(BrowserClient {
-            tokenizer,
-            speculator: Speculator::with_shape(shape, DraftMode::Greedy, 0),
-            draft: CachedDraft::new(ssm),
+            tokenizer: Arc::new(tokenizer),
+            drafter: Some(Drafter {
+                speculator: Speculator::with_shape(shape, DraftMode::Greedy, 0),
+                drafts: vec![Box::new(CachedDraft::new(ssm))],
+            }),
+            driver: None,
             limits: Limits::default(),
             session: 0,
             round: 0,
-            committed: Vec::new(),
-            prompt_len: 0,
-            in_flight: false,
-            finished: true,
-            shown_chars: 0,
-            rounds: 0,
-            draft_ms: 0.0,
-            drafted_nodes: 0,
-            sent: None,
+            resume_token: [0; 16],
+            resuming: false,
         })
     }
 
@@ -161,64 +148,61 @@ impl BrowserClient {
             .tokenizer
             .chat_prompt(&[ChatMessage::new("user", user_message)]);
         let prompt = self.tokenizer.encode(&text)?;
-        if prompt.is_empty() {
-            return Err(BrowserError::Protocol("empty prompt".into()));
-        }
-        self.session += 1;
-        self.round = 0;
-        self.prompt_len = prompt.len();
-        self.committed = prompt.clone();
-        self.in_flight = false;
-        self.finished = false;
-        self.shown_chars = 0;
-        self.rounds = 0;
-        self.draft_ms = 0.0;
-        self.drafted_nodes = 0;
-        self.sent = None;
         let params = SamplingParams {
             stop_ids: self.tokenizer.eos().to_vec(),
             ..SamplingParams::greedy(max_tokens)
         };
-        Ok(encode_frame(&Message::OpenSession(OpenSession {
-            session: self.session,
-            prompt,
-            params,
-        })))
+        if let Some(previous) = self.driver.take() {
+            self.drafter = previous.into_drafter();
+        }
+        let mut driver = RoundDriver::new(prompt, params, self.drafter.take())
+            .map_err(|e| BrowserError::Protocol(e.to_string()))?
+            .with_lookup(Some(ContextLookup::default()))
+            .with_text(self.tokenizer.clone());
+        driver.set_limits(&self.limits);
+        self.driver = Some(driver);
+        self.session += 1;
+        self.round = 0;
+        self.resuming = false;
+        Ok(self.open_frame())
     }
 
     /// Drafts the next tree and returns its Verify frame.
     pub fn next_round(&mut self) -> Result<Vec<u8>, BrowserError> {
-        if self.finished || self.in_flight {
-            return Err(BrowserError::Protocol(
-                "no round to start: the answer is finished or a round is in flight".into(),
-            ));
-        }
-        let t0 = now_ms();
-        let tree: TokenTree = self
-            .speculator
-            .draft(&mut self.draft as &mut dyn DraftModel, &self.committed)?;
-        let drafted = DraftedPart::of(&tree);
-        let tree = ContextLookup::default().extend(
-            tree,
-            &self.committed,
-            self.limits.max_tree_nodes as usize,
-            false,
-        );
-        let sent_ms = now_ms();
-        self.draft_ms += sent_ms - t0;
-        self.drafted_nodes += tree.len();
-        self.sent = Some(SentRound {
-            at_ms: sent_ms,
-            draft_s: (sent_ms - t0) * 1e-3,
-            drafted,
-            tree_nodes: tree.len(),
-        });
-        self.in_flight = true;
+        let tree = self
+            .driver_mut()?
+            .draft(&|| now_ms() * 1e-3)
+            .map_err(round_error)?;
+        let round = self.round;
+        self.round += 1;
         Ok(encode_frame(&Message::Verify(Verify {
             session: self.session,
-            round: self.round,
+            round,
             tree,
         })))
+    }
+
+    /// After the connection was lost mid-answer, on a new connection's stream: the frame asking
+    /// the verifier for the session back. Its answer (to [`BrowserClient::on_frame`]) is a
+    /// `resumed` event (carry on with [`BrowserClient::next_round`]) or a `reopen` one (send
+    /// [`BrowserClient::reopen`]).
+    pub fn resume(&mut self) -> Result<Vec<u8>, BrowserError> {
+        self.driver_mut()?.connection_lost();
+        self.round = 0;
+        self.resuming = true;
+        Ok(encode_frame(&Message::Resume {
+            session: self.session,
+            resume_token: self.resume_token,
+        }))
+    }
+
+    /// The frame opening the answer's session again with everything committed so far (after a
+    /// `reopen` event).
+    pub fn reopen(&mut self) -> Result<Vec<u8>, BrowserError> {
+        self.driver_mut()?.connection_lost();
+        self.round = 0;
+        self.resuming = false;
+        Ok(self.open_frame())
     }
 
     /// Bytes of the frame body announced by a 4-byte header (checked against the limits before
@@ -231,8 +215,10 @@ impl BrowserClient {
     }
 
     /// Handles one frame body from the verifier; returns a JSON event:
-    /// `{"event":"hello","model":NAME}`, `{"event":"opened"}`, or
-    /// `{"event":"tokens","ids":[..],"text":NEW_TEXT,"finished":BOOL}`.
+    /// `{"event":"hello","model":NAME}`, `{"event":"opened"}`,
+    /// `{"event":"tokens","ids":[..],"text":NEW_TEXT,"finished":BOOL}`, after a resume
+    /// `{"event":"resumed",...}` (the same fields: tokens of a round whose answer was lost) or
+    /// `{"event":"reopen"}`.
     pub fn on_frame(&mut self, body: &[u8]) -> Result<String, BrowserError> {
         let msg =
             decode_frame(body, &self.limits).map_err(|e| BrowserError::Protocol(e.to_string()))?;
@@ -247,34 +233,31 @@ impl BrowserClient {
                 serde_json::json!({"event": "hello", "model": h.model_name})
             }
             Message::SessionOpened(o) if o.session == self.session => {
+                self.resume_token = o.resume_token;
                 serde_json::json!({"event": "opened"})
             }
-            Message::Verified(v) if v.session == self.session && v.round == self.round => {
-                if !self.in_flight {
-                    return Err(BrowserError::Protocol("an answer to no question".into()));
+            Message::Resumed { session, committed } if self.resuming && session == self.session => {
+                self.resuming = false;
+                match self
+                    .driver_mut()?
+                    .on_resumed(&committed)
+                    .map_err(round_error)?
+                {
+                    Recovery::Resumed(out) => tokens_event("resumed", &out),
+                    Recovery::Reopen => serde_json::json!({"event": "reopen"}),
                 }
-                self.in_flight = false;
-                if let Some(r) = self.sent.take() {
-                    self.speculator.observe(r.drafted.observation(
-                        r.tree_nodes,
-                        &v.accepted_nodes,
-                        r.draft_s,
-                        (now_ms() - r.at_ms) * 1e-3,
-                        v.stats.forward_us as f64 * 1e-6,
-                    ));
-                }
-                self.round += 1;
-                self.rounds += 1;
-                self.committed.extend(&v.tokens);
-                self.finished = v.finish.is_some();
-                let text = self.new_text()?;
-                serde_json::json!({
-                    "event": "tokens",
-                    "ids": v.tokens,
-                    "text": text,
-                    "finished": self.finished,
-                    "stopped": v.finish == Some(FinishReason::Stop),
-                })
+            }
+            // The verifier no longer holds the session (its grace period ended, or it restarted).
+            Message::Error(e) if self.resuming && e.code == ErrorCode::UnknownSession => {
+                self.resuming = false;
+                serde_json::json!({"event": "reopen"})
+            }
+            Message::Verified(v) if v.session == self.session && v.round + 1 == self.round => {
+                let out = self
+                    .driver_mut()?
+                    .on_verified(&v, now_ms() * 1e-3)
+                    .map_err(round_error)?;
+                tokens_event("tokens", &out)
             }
             Message::Error(e) => return Err(BrowserError::Verifier(e.message)),
             other => {
@@ -296,38 +279,64 @@ impl BrowserClient {
 
     /// The tokens generated so far in this answer.
     pub fn token_ids(&self) -> Vec<u32> {
-        self.committed[self.prompt_len.min(self.committed.len())..].to_vec()
+        self.driver
+            .as_ref()
+            .map_or_else(Vec::new, |d| d.generated().to_vec())
     }
 
-    /// `{"tokens","rounds","tau","draft_ms","drafted_nodes"}` for this answer.
+    /// `{"tokens","rounds","tau","draft_ms","drafted_nodes","lookup_accepted"}` for this answer.
     pub fn stats(&self) -> String {
-        let tokens = self.committed.len().saturating_sub(self.prompt_len);
+        let (tokens, stats) = match &self.driver {
+            Some(d) => (d.generated().len(), d.stats().clone()),
+            None => (0, GenerationStats::default()),
+        };
         serde_json::json!({
             "tokens": tokens,
-            "rounds": self.rounds,
-            "tau": tokens as f64 / self.rounds.max(1) as f64,
-            "draft_ms": self.draft_ms,
-            "drafted_nodes": self.drafted_nodes,
+            "rounds": stats.rounds,
+            "tau": tokens as f64 / stats.rounds.max(1) as f64,
+            "draft_ms": stats.draft_s * 1e3,
+            "drafted_nodes": stats.tree_nodes,
+            "lookup_accepted": stats.lookup_accepted,
         })
         .to_string()
     }
 }
 
 impl BrowserClient {
-    /// Text not yet shown: end-of-turn tokens left out, an incomplete UTF-8 character held back.
-    fn new_text(&mut self) -> Result<String, BrowserError> {
-        let eos = self.tokenizer.eos();
-        let visible: Vec<u32> = self.committed[self.prompt_len..]
-            .iter()
-            .copied()
-            .filter(|t| !eos.contains(t))
-            .collect();
-        let text = self.tokenizer.decode(&visible)?;
-        if text.ends_with('\u{FFFD}') && !self.finished {
-            return Ok(String::new());
-        }
-        let new = text.get(self.shown_chars..).unwrap_or("").to_string();
-        self.shown_chars = text.len();
-        Ok(new)
+    fn driver_mut(&mut self) -> Result<&mut RoundDriver<'static>, BrowserError> {
+        self.driver
+            .as_mut()
+            .ok_or_else(|| BrowserError::Protocol("no answer was started".into()))
     }
+
+    /// OpenSession for the answer's committed tokens (the prompt, at first).
+    fn open_frame(&self) -> Vec<u8> {
+        let (prompt, params) = self
+            .driver
+            .as_ref()
+            .expect("called with an answer started")
+            .open_request();
+        encode_frame(&Message::OpenSession(OpenSession {
+            session: self.session,
+            prompt,
+            params,
+        }))
+    }
+}
+
+fn round_error(e: RoundError) -> BrowserError {
+    match e {
+        RoundError::Draft(m) => BrowserError::Model(m),
+        RoundError::Protocol(p) => BrowserError::Protocol(p),
+    }
+}
+
+/// `{"event":NAME,"ids":[..],"text":NEW_TEXT,"finished":BOOL}`.
+fn tokens_event(name: &str, out: &RoundOutput) -> serde_json::Value {
+    serde_json::json!({
+        "event": name,
+        "ids": out.tokens,
+        "text": out.text,
+        "finished": out.finished,
+    })
 }

@@ -1,5 +1,6 @@
 //! The browser client's protocol logic, natively: with the default SSM drafting and SmolLM2
-//! verifying in-process, its greedy answer equals incremental decoding token for token, its
+//! verifying in-process, its greedy answer equals incremental decoding token for token (with
+//! the context lookup on, and through a lost round resumed or a session re-opened), its
 //! streamed text equals the decoded answer, and bad frames are refused.
 
 use std::path::PathBuf;
@@ -48,35 +49,151 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
         Message::ClientHello(h) => assert_eq!(h.expected_model, tok.fingerprint()),
         other => panic!("expected a hello, got {other:?}"),
     }
+    // A plain answer; then one whose connection is lost after its third round and resumed;
+    // then one whose session is gone for good and is re-opened. The second answer repeats its
+    // question, so the context lookup's chains are accepted.
+    for (question, loss) in [
+        ("Name two oceans.", Loss::None),
+        (
+            "Repeat the sentence 'The cat sat on the mat.' five times.",
+            Loss::Resume,
+        ),
+        ("Name two oceans.", Loss::Reopen),
+    ] {
+        let (ids, text, stats, opened) = answer(&mut client, &llm, question, loss);
+        let expected = incremental(&llm, opened);
+        assert_eq!(ids, expected, "{loss:?}: speculation changed the answer");
+        let visible: Vec<u32> = expected
+            .iter()
+            .copied()
+            .filter(|t| !tok.eos().contains(t))
+            .collect();
+        assert_eq!(
+            text,
+            tok.decode(&visible).unwrap(),
+            "{loss:?}: streamed text differs from the answer"
+        );
+        assert_eq!(stats["tokens"], expected.len());
+        if loss == Loss::Resume {
+            assert!(
+                stats["lookup_accepted"].as_u64().unwrap() > 0,
+                "the lookup drafted nothing accepted in a repeating answer: {stats}"
+            );
+        }
+    }
+    // A header announcing more than the limits allow is refused before any allocation.
+    assert!(client.frame_len(&u32::MAX.to_le_bytes()).is_err());
+    assert!(client.frame_len(&[1, 2]).is_err());
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Loss {
+    None,
+    /// The fourth round's answer is lost with the connection; the session is resumed.
+    Resume,
+    /// The same, but the verifier no longer holds the session: it is opened again.
+    Reopen,
+}
+
+/// The LLM's own greedy answer to an opened session.
+fn incremental(
+    llm: &specinfer_model::Llama,
+    (prompt, params): (Vec<u32>, SamplingParams),
+) -> Vec<u32> {
     let limits = Limits::default();
-    let (prompt, params) = match decode(&client.open("Name two oceans.", 40).unwrap()) {
-        Message::OpenSession(o) => (o.prompt, o.params),
-        other => panic!("expected OpenSession, got {other:?}"),
-    };
-    let mut reference = Session::open(&llm, &prompt, params.clone(), &limits).unwrap();
+    let mut reference = Session::open(llm, &prompt, params, &limits).unwrap();
     while reference.finish().is_none() {
         let root = TokenTree::root(reference.root());
-        reference.verify(&llm, &limits, &root).unwrap();
+        reference.verify(llm, &limits, &root).unwrap();
     }
-    let expected = reference.tokens()[prompt.len()..].to_vec();
+    reference.tokens()[prompt.len()..].to_vec()
+}
 
-    let mut session = Session::open(&llm, &prompt, params, &limits).unwrap();
+/// The client's answer to `question`, verified by an in-process session, with `loss` on the way;
+/// returns its tokens, its streamed text, its stats and the session it opened.
+fn answer(
+    client: &mut BrowserClient,
+    llm: &specinfer_model::Llama,
+    question: &str,
+    loss: Loss,
+) -> (
+    Vec<u32>,
+    String,
+    serde_json::Value,
+    (Vec<u32>, SamplingParams),
+) {
+    let limits = Limits::default();
+    let (session_id, prompt, params) = match decode(&client.open(question, 40).unwrap()) {
+        Message::OpenSession(o) => (o.session, o.prompt, o.params),
+        other => panic!("expected OpenSession, got {other:?}"),
+    };
+    let request = (prompt.clone(), params.clone());
+    let mut session = Session::open(llm, &prompt, params, &limits).unwrap();
     let opened = encode_frame(&Message::SessionOpened(SessionOpened {
-        session: 1,
-        resume_token: [0; 16],
+        session: session_id,
+        resume_token: [7; 16],
     }));
     assert!(client.on_frame(body(&opened)).unwrap().contains("opened"));
-    let (mut text, mut rounds) = (String::new(), 0u32);
+    let (mut text, mut rounds, mut stream_round) = (String::new(), 0u32, 0u32);
     loop {
         let verify = match decode(&client.next_round().unwrap()) {
             Message::Verify(v) => v,
             other => panic!("expected Verify, got {other:?}"),
         };
+        assert_eq!(verify.round, stream_round);
         assert!(
             client.next_round().is_err(),
             "a second round while one is in flight"
         );
-        let out = session.verify(&llm, &limits, &verify.tree).unwrap();
+        let out = session.verify(llm, &limits, &verify.tree).unwrap();
+        rounds += 1;
+        stream_round += 1;
+        if rounds == 4 && loss != Loss::None {
+            // The verifier committed the round; its answer never arrives.
+            let event: serde_json::Value = match decode(&client.resume().unwrap()) {
+                Message::Resume {
+                    session: id,
+                    resume_token,
+                } => {
+                    assert_eq!((id, resume_token), (session_id, [7; 16]));
+                    let reply = if loss == Loss::Resume {
+                        Message::Resumed {
+                            session: id,
+                            committed: session.tokens().to_vec(),
+                        }
+                    } else {
+                        Message::Error(ErrorFrame {
+                            code: ErrorCode::UnknownSession,
+                            message: "no such session".into(),
+                            session: Some(id),
+                            retry_after_ms: None,
+                        })
+                    };
+                    serde_json::from_str(&client.on_frame(body(&encode_frame(&reply))).unwrap())
+                        .unwrap()
+                }
+                other => panic!("expected Resume, got {other:?}"),
+            };
+            stream_round = 0;
+            if loss == Loss::Resume {
+                assert_eq!(event["event"], "resumed");
+                assert_eq!(event["ids"], serde_json::json!(out.tokens));
+                text += event["text"].as_str().unwrap();
+                if event["finished"].as_bool().unwrap() {
+                    break;
+                }
+            } else {
+                assert_eq!(event["event"], "reopen");
+                let (prompt, params) = match decode(&client.reopen().unwrap()) {
+                    Message::OpenSession(o) => (o.prompt, o.params),
+                    other => panic!("expected OpenSession, got {other:?}"),
+                };
+                // Opened again with what the client had: the lost round is generated anew.
+                session = Session::open(llm, &prompt, params, &limits).unwrap();
+                assert!(client.on_frame(body(&opened)).unwrap().contains("opened"));
+            }
+            continue;
+        }
         let reply = encode_frame(&Message::Verified(Verified {
             session: verify.session,
             round: verify.round,
@@ -94,31 +211,11 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
         let event: serde_json::Value =
             serde_json::from_str(&client.on_frame(body(&reply)).unwrap()).unwrap();
         assert!(client.on_frame(body(&reply)).is_err());
-        rounds += 1;
         text += event["text"].as_str().unwrap();
         if event["finished"].as_bool().unwrap() {
             break;
         }
     }
-    assert_eq!(
-        client.token_ids(),
-        expected,
-        "speculation changed the answer"
-    );
-    let visible: Vec<u32> = expected
-        .iter()
-        .copied()
-        .filter(|t| !tok.eos().contains(t))
-        .collect();
-    assert_eq!(
-        text,
-        tok.decode(&visible).unwrap(),
-        "streamed text differs from the answer"
-    );
     let stats: serde_json::Value = serde_json::from_str(&client.stats()).unwrap();
-    assert_eq!(stats["rounds"], rounds);
-    assert_eq!(stats["tokens"], expected.len());
-    // A header announcing more than the limits allow is refused before any allocation.
-    assert!(client.frame_len(&u32::MAX.to_le_bytes()).is_err());
-    assert!(client.frame_len(&[1, 2]).is_err());
+    (client.token_ids(), text, stats, request)
 }

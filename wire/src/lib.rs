@@ -5,10 +5,12 @@
 //! speaks exactly the same bytes as the native one.
 
 mod codec;
+mod hex;
 mod message;
 mod tree;
 
 pub use codec::{decode_frame, encode_frame, frame_len, DecodeError, FRAME_HEADER_BYTES};
+pub use hex::parse_sha256_hex;
 pub use message::*;
 pub use tree::{AncestorBits, DrawMode, Proposals, SparseDist, TokenTree, TreeError};
 

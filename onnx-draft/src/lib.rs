@@ -1,6 +1,6 @@
 //! Draft models through ONNX Runtime: an ONNX export of a `specinfer-model` transformer (see
 //! `Llama::export_onnx` for the graph's inputs and outputs) with the KV cache kept here, so the
-//! same [`CachedDraft`](crate::CachedDraft) bookkeeping (rollback, keeping the accepted path)
+//! same [`CachedDraft`](specinfer_speculator::CachedDraft) bookkeeping (rollback, keeping the accepted path)
 //! serves both backends.
 //!
 //! ONNX Runtime is loaded at run time (`ort`'s `load-dynamic`): from `ORT_DYLIB_PATH` when set,
@@ -14,7 +14,8 @@ use std::sync::{Mutex, OnceLock};
 use ort::environment::Environment;
 use ort::session::{Session, SessionInputValue};
 use ort::value::{PrimitiveTensorElementType, TensorRef};
-use specinfer_model::{fetch, KvCache, ModelError};
+use specinfer_model::fetch::{self, FetchEvent};
+use specinfer_model::{KvCache, ModelError};
 use specinfer_wire::TokenTree;
 
 use specinfer_speculator::TreeScorer;
@@ -26,11 +27,12 @@ fn ort_err(message: impl std::fmt::Display) -> ModelError {
     }
 }
 
-/// The ONNX Runtime library to load: `ORT_DYLIB_PATH`, else the wheel's, fetched if needed.
-pub fn runtime_library() -> Result<PathBuf, ModelError> {
+/// The ONNX Runtime library to load: `ORT_DYLIB_PATH`, else the wheel's, fetched if needed
+/// (telling `progress`).
+pub fn runtime_library(progress: &mut dyn FnMut(&FetchEvent)) -> Result<PathBuf, ModelError> {
     match std::env::var_os("ORT_DYLIB_PATH") {
         Some(p) => Ok(PathBuf::from(p)),
-        None => fetch::ensure(&fetch::ONNXRUNTIME, &fetch::cache_dir()),
+        None => fetch::ensure_with(&fetch::ONNXRUNTIME, &fetch::cache_dir(), progress),
     }
 }
 
@@ -56,9 +58,12 @@ pub fn init_runtime(lib: &Path) -> Result<(), ModelError> {
 }
 
 fn environment() -> Result<&'static Environment, ModelError> {
-    ENV.get_or_init(|| load_runtime(&runtime_library().map_err(|e| e.to_string())?))
-        .as_ref()
-        .map_err(ort_err)
+    ENV.get_or_init(|| {
+        let lib = runtime_library(&mut |e| tracing::info!("{e}")).map_err(|e| e.to_string())?;
+        load_runtime(&lib)
+    })
+    .as_ref()
+    .map_err(ort_err)
 }
 
 /// An ONNX draft model in an ONNX Runtime session.

@@ -1,5 +1,4 @@
-//! Frames over streams (QUIC, or WebTransport for browsers), shared by the server and the edge
-//! client, and TLS set-up.
+//! TLS 1.3 for QUIC: the verifier's identity, and how a client trusts it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -7,93 +6,8 @@ use std::sync::Arc;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
-use specinfer_wire::{
-    decode_frame, encode_frame, frame_len, DecodeError, Limits, Message, FRAME_HEADER_BYTES,
-};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// ALPN of protocol version 1.
-pub const ALPN: &[u8] = b"specinfer/1";
-
-/// Variants that wrap another error say it in their message and do not also give it as their
-/// `source`, so a printed chain of causes says it once.
-#[derive(Debug, thiserror::Error)]
-pub enum NetError {
-    #[error("bad frame from peer: {0}")]
-    Decode(DecodeError),
-    #[error("connection failed: {0}")]
-    Connection(quinn::ConnectionError),
-    #[error("connect failed: {0}")]
-    Connect(quinn::ConnectError),
-    #[error("TLS: {0}")]
-    Tls(String),
-    #[error("{path}: {message}")]
-    File { path: String, message: String },
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
-    #[error("timed out waiting for the peer")]
-    Timeout,
-    #[error("WebTransport: {0}")]
-    WebTransport(String),
-}
-
-impl From<DecodeError> for NetError {
-    fn from(e: DecodeError) -> Self {
-        NetError::Decode(e)
-    }
-}
-
-impl From<quinn::ConnectionError> for NetError {
-    fn from(e: quinn::ConnectionError) -> Self {
-        NetError::Connection(e)
-    }
-}
-
-impl From<quinn::ConnectError> for NetError {
-    fn from(e: quinn::ConnectError) -> Self {
-        NetError::Connect(e)
-    }
-}
-
-/// Reads one frame; `Ok(None)` when the peer finished the stream cleanly between frames. The
-/// length prefix is checked against the limits before the body buffer is allocated.
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    recv: &mut R,
-    limits: &Limits,
-) -> Result<Option<(Message, usize)>, NetError> {
-    let mut header = [0u8; FRAME_HEADER_BYTES];
-    let mut got = 0;
-    while got < FRAME_HEADER_BYTES {
-        match recv.read(&mut header[got..]).await? {
-            0 if got == 0 => return Ok(None),
-            0 => {
-                return Err(DecodeError::Truncated {
-                    got,
-                    need: FRAME_HEADER_BYTES,
-                }
-                .into())
-            }
-            n => got += n,
-        }
-    }
-    let len = frame_len(header, limits)?;
-    let mut body = vec![0u8; len];
-    recv.read_exact(&mut body).await?;
-    Ok(Some((
-        decode_frame(&body, limits)?,
-        FRAME_HEADER_BYTES + len,
-    )))
-}
-
-/// Writes one frame; returns its size in bytes.
-pub async fn write_frame<W: AsyncWrite + Unpin>(
-    send: &mut W,
-    msg: &Message,
-) -> Result<usize, NetError> {
-    let frame = encode_frame(msg);
-    send.write_all(&frame).await?;
-    Ok(frame.len())
-}
+use crate::{NetError, ALPN};
 
 /// SHA-256 of a certificate's DER, in hex: what clients pin.
 pub fn cert_fingerprint(cert: &CertificateDer<'_>) -> String {
@@ -208,7 +122,7 @@ pub enum Trust {
 impl Trust {
     /// Parses a pinned fingerprint given as 64 hex digits (colons allowed).
     pub fn pinned_hex(hex: &str) -> Result<Self, NetError> {
-        specinfer_model::fetch::parse_sha256_hex(hex)
+        specinfer_wire::parse_sha256_hex(hex)
             .map(Trust::Pinned)
             .ok_or_else(|| {
                 NetError::Tls(format!(

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use specinfer_verifier::net::{client_config, read_frame, write_frame, NetError, Trust};
+use crate::{client_config, read_frame, write_frame, NetError, Trust};
 use specinfer_wire::{
     ClientHello, ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, OpenSession,
     SamplingParams, ServerHello, TokenTree, Verified, Verify, PROTOCOL_VERSION,

@@ -1,0 +1,539 @@
+//! Everything a front end needs before its first round, set up once: the LLM's tokenizer (and
+//! the LLM itself where something here runs it), the draft models and their backend with the
+//! checks that they speak the LLM's tokens, the verifier (remote, or embedded in-process), the
+//! tree shapes and the decoding defaults. The CLI, the OpenAI endpoint and the desktop app all
+//! start from [`ClientSetup::build`], so none of them repeats it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use specinfer_model::fetch::{self, FetchEvent};
+use specinfer_model::{gguf_tokenizer_and_context, load_gguf, ChatMessage, Llama, Tokenizer};
+use specinfer_net::{NetError, RemoteConfig, Trust};
+use specinfer_onnx::OnnxModel;
+use specinfer_speculator::{
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, RoundError,
+    Speculator, TreeScorer, TreeShape,
+};
+use specinfer_wire::{Limits, SamplingParams, VerifyMode};
+
+use crate::{Client, ClientError, Generation};
+
+/// The SSM this repository ships (trained by `specinfer-train run` for SmolLM2-135M-Instruct).
+pub const DEFAULT_SSM: &str = "models/ssm";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("{0}")]
+    Model(#[from] specinfer_model::ModelError),
+    #[error("{0}")]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("{0}")]
+    Round(#[from] RoundError),
+    /// The options asked for something impossible; the message says what to change.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{context}: {source}")]
+    Context {
+        context: String,
+        source: Box<SetupError>,
+    },
+}
+
+impl SetupError {
+    fn context(self, context: impl Into<String>) -> SetupError {
+        SetupError::Context {
+            context: context.into(),
+            source: Box::new(self),
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, SetupError>;
+
+/// What runs the draft models.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DraftBackend {
+    /// specinfer's own kernels.
+    Candle,
+    /// ONNX Runtime (the SSM exported to ONNX once and cached).
+    Onnx,
+}
+
+/// greedy (token-identical to the LLM alone) or sampling at these settings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decoding {
+    Greedy,
+    Sample {
+        temperature: f32,
+        top_p: f32,
+        top_k: u32,
+        seed: u64,
+    },
+}
+
+/// Where the verifier is.
+#[derive(Clone, Debug)]
+pub enum VerifierChoice {
+    /// In this process, on loopback QUIC (the `embedded-verifier` feature).
+    Embedded,
+    Remote {
+        /// HOST:PORT.
+        server: String,
+        /// The name the certificate must carry (ignored when pinning).
+        server_name: String,
+        trust: Trust,
+        api_key: Option<String>,
+    },
+}
+
+/// What a front end asks for; [`ClientOptions::default`] is the first run's choice.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    pub verifier: VerifierChoice,
+    /// The LLM's GGUF; `None`: SmolLM2-135M-Instruct, fetched from PyPI.
+    pub llm: Option<PathBuf>,
+    /// Draft models: SSM folders, GGUF files, or "self" (the LLM drafts for itself). Several:
+    /// their trees are merged.
+    pub ssms: Vec<String>,
+    pub backend: DraftBackend,
+    /// `auto`, `none` or a [`TreeShape`] (see the CLI's `--tree`).
+    pub tree: String,
+    pub decoding: Decoding,
+    pub max_tokens: u32,
+    pub pipeline: bool,
+    /// The context lookup's longest chain; 0 turns it off.
+    pub lookup: usize,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            verifier: VerifierChoice::Embedded,
+            llm: None,
+            ssms: vec![DEFAULT_SSM.into()],
+            backend: DraftBackend::Candle,
+            tree: "auto".into(),
+            decoding: Decoding::Greedy,
+            max_tokens: 256,
+            pipeline: false,
+            lookup: ContextLookup::default().max_tokens,
+        }
+    }
+}
+
+/// What setting up is doing (a first run fetches and loads models for a while).
+#[derive(Debug)]
+pub enum SetupEvent<'a> {
+    Fetch(&'a FetchEvent<'a>),
+    Loaded { path: &'a Path, seconds: f64 },
+    Note(String),
+}
+
+impl std::fmt::Display for SetupEvent<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SetupEvent::Fetch(e) => write!(f, "{e}"),
+            SetupEvent::Loaded { path, seconds } => {
+                write!(f, "loaded {} in {seconds:.1}s", path.display())
+            }
+            SetupEvent::Note(n) => f.write_str(n),
+        }
+    }
+}
+
+/// The tree shape for each decoding mode (`auto`: the adaptive dynamic tree when greedy, the
+/// adaptive expansion when sampling).
+#[derive(Clone, Debug)]
+pub struct Trees {
+    pub greedy: TreeShape,
+    pub sample: TreeShape,
+}
+
+impl Trees {
+    /// `None` for "none" (incremental decoding).
+    pub fn parse(tree: &str) -> Result<Option<Trees>> {
+        Ok(match tree {
+            "none" => None,
+            "auto" => Some(Trees {
+                greedy: TreeShape::default_greedy(),
+                sample: TreeShape::default_sampled(),
+            }),
+            t => {
+                let shape: TreeShape = t.parse().map_err(SetupError::Invalid)?;
+                Some(Trees {
+                    greedy: shape.clone(),
+                    sample: shape,
+                })
+            }
+        })
+    }
+
+    pub fn for_mode(&self, mode: &DraftMode) -> &TreeShape {
+        match mode {
+            DraftMode::Greedy => &self.greedy,
+            DraftMode::Sample { .. } => &self.sample,
+        }
+    }
+}
+
+/// Everything a generation needs, set up once.
+pub struct ClientSetup {
+    pub tok: Arc<Tokenizer>,
+    pub ssms: Vec<Arc<dyn TreeScorer + Send>>,
+    pub trees: Option<Trees>,
+    /// The request defaults (`max_tokens`, decoding, the tokenizer's stop tokens).
+    pub params: SamplingParams,
+    pub draft_mode: DraftMode,
+    pub remote: RemoteConfig,
+    /// The LLM's context, in positions (read from its GGUF).
+    pub context_tokens: usize,
+    pub pipeline: bool,
+    pub lookup: Option<ContextLookup>,
+    /// Kept running while the setup lives.
+    _embedded: Option<Embedded>,
+}
+
+#[cfg(feature = "embedded-verifier")]
+type Embedded = crate::EmbeddedVerifier;
+/// Built without the embedded verifier: there is never one.
+#[cfg(not(feature = "embedded-verifier"))]
+type Embedded = std::convert::Infallible;
+
+impl ClientSetup {
+    /// Fetches and loads what `opts` names, checks that every draft model has the LLM's
+    /// tokenizer, and starts the embedded verifier if one is asked for.
+    pub fn build(opts: &ClientOptions, progress: &mut dyn FnMut(&SetupEvent)) -> Result<Self> {
+        let trees = Trees::parse(&opts.tree)?;
+        let (params, draft_mode) = decoding(opts, trees.as_ref())?;
+        let llm_path = match &opts.llm {
+            Some(p) => p.clone(),
+            None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
+                progress(&SetupEvent::Fetch(e))
+            })
+            .map_err(|e| SetupError::from(e).context("fetching the default LLM"))?,
+        };
+        // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
+        let self_drafting = trees.is_some() && opts.ssms.iter().any(|s| s == "self");
+        let embedded = matches!(opts.verifier, VerifierChoice::Embedded);
+        let (llm, tok, context_tokens) = if embedded || self_drafting {
+            let t0 = Instant::now();
+            let (m, t) = load_gguf(&llm_path).map_err(|e| {
+                SetupError::from(e).context(format!("loading {}", llm_path.display()))
+            })?;
+            progress(&SetupEvent::Loaded {
+                path: &llm_path,
+                seconds: t0.elapsed().as_secs_f64(),
+            });
+            let context = m.config().max_positions;
+            (Some(Arc::new(m)), t, context)
+        } else {
+            let (t, context) = gguf_tokenizer_and_context(&llm_path)?;
+            (None, t, context)
+        };
+        let params = SamplingParams {
+            stop_ids: tok.eos().to_vec(),
+            ..params
+        };
+        let ssms = match &trees {
+            Some(_) => load_drafts(opts, &tok, llm.as_ref(), progress)?,
+            None => Vec::new(),
+        };
+        let tok = Arc::new(tok);
+        let (remote, embedded) = verifier(opts, &tok, llm)?;
+        Ok(ClientSetup {
+            tok,
+            ssms,
+            trees,
+            params,
+            draft_mode,
+            remote,
+            context_tokens,
+            pipeline: opts.pipeline,
+            lookup: (opts.lookup > 0).then(|| ContextLookup {
+                max_tokens: opts.lookup,
+                ..ContextLookup::default()
+            }),
+            _embedded: embedded,
+        })
+    }
+
+    /// A connection to the verifier.
+    pub async fn connect(&self) -> Result<Client> {
+        Ok(Client::connect(self.remote.clone()).await?)
+    }
+
+    /// A request's prompt: the chat template over `messages`, or their contents joined as raw
+    /// text.
+    pub fn prompt_ids(&self, messages: &[ChatMessage], raw: bool) -> Result<Vec<u32>> {
+        let text = if raw {
+            messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        } else {
+            self.tok.chat_prompt(messages)
+        };
+        Ok(self.tok.encode(&text)?)
+    }
+
+    /// Prompt tokens a request may use: a verifier opens a session only if the prompt, the
+    /// answer's `max_new_tokens` and one tree of its `max_tree_nodes` fit the model's context.
+    pub fn prompt_budget(&self, max_new_tokens: u32) -> usize {
+        let tree = Limits::default().max_tree_nodes as usize;
+        self.context_tokens
+            .saturating_sub(max_new_tokens as usize + tree)
+    }
+
+    /// The round driver for one generation after `ids`, drafting as set up (for `draft_mode`'s
+    /// tree), streaming text.
+    pub fn driver(
+        &self,
+        ids: &[u32],
+        params: SamplingParams,
+        draft_mode: DraftMode,
+    ) -> Result<RoundDriver<'_>> {
+        let drafter = self.trees.as_ref().map(|trees| Drafter {
+            speculator: Speculator::with_shape(
+                trees.for_mode(&draft_mode).clone(),
+                draft_mode,
+                params.seed ^ 0x5eed,
+            ),
+            drafts: self
+                .ssms
+                .iter()
+                .map(|m| Box::new(CachedDraft::new(m.as_ref())) as Box<dyn DraftModel + Send>)
+                .collect(),
+        });
+        Ok(RoundDriver::new(ids.to_vec(), params, drafter)?
+            .with_lookup(self.lookup)
+            .with_pipelining(self.pipeline)
+            .with_text(self.tok.clone()))
+    }
+
+    /// One generation on `client`; `on_text` gets each new piece of decoded text (end-of-turn
+    /// tokens and incomplete UTF-8 held back). The generation carries the whole text.
+    pub async fn run(
+        &self,
+        client: &mut Client,
+        ids: &[u32],
+        params: SamplingParams,
+        draft_mode: DraftMode,
+        on_text: &mut (dyn FnMut(&str) + Send),
+    ) -> Result<Generation> {
+        let mut driver = self.driver(ids, params, draft_mode)?;
+        Ok(client
+            .generate(&mut driver, |out| {
+                if !out.text.is_empty() {
+                    on_text(&out.text)
+                }
+            })
+            .await?)
+    }
+}
+
+/// The request defaults and the draft's mode for `opts.decoding`; a tree that cannot be sampled
+/// is refused when sampling.
+fn decoding(opts: &ClientOptions, trees: Option<&Trees>) -> Result<(SamplingParams, DraftMode)> {
+    let greedy = SamplingParams::greedy(opts.max_tokens);
+    let (params, draft_mode) = match opts.decoding {
+        Decoding::Greedy => (greedy, DraftMode::Greedy),
+        Decoding::Sample {
+            temperature,
+            top_p,
+            top_k,
+            seed,
+        } => (
+            SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature,
+                top_p,
+                top_k,
+                seed,
+                ..greedy
+            },
+            DraftMode::sampled(temperature, top_p),
+        ),
+    };
+    if params.mode != VerifyMode::Greedy
+        && trees.is_some_and(|t| t.for_mode(&draft_mode).is_greedy_only())
+    {
+        return Err(SetupError::Invalid(
+            "dynamic trees are built in greedy mode only; use an expansion like 1,1,3,1 to sample"
+                .into(),
+        ));
+    }
+    Ok((params, draft_mode))
+}
+
+/// Loads every draft model `opts` names, each checked to have the LLM's tokenizer.
+fn load_drafts(
+    opts: &ClientOptions,
+    tok: &Tokenizer,
+    llm: Option<&Arc<Llama>>,
+    progress: &mut dyn FnMut(&SetupEvent),
+) -> Result<Vec<Arc<dyn TreeScorer + Send>>> {
+    let mut ssms: Vec<Arc<dyn TreeScorer + Send>> = Vec::new();
+    for path in &opts.ssms {
+        if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
+            return Err(SetupError::Invalid(format!(
+                "the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self"
+            )));
+        }
+        if path == "self" {
+            progress(&SetupEvent::Note(
+                "drafting with the LLM itself: full acceptance, no speed-up".into(),
+            ));
+            ssms.push(llm.expect("loaded for self-drafting").clone());
+            continue;
+        }
+        let p = Path::new(path);
+        let loading = |e: specinfer_model::ModelError| {
+            SetupError::from(e).context(format!("loading SSM {path}"))
+        };
+        let (m, ssm_sha) = if p.is_dir() {
+            let m = Llama::from_safetensors(p).map_err(loading)?;
+            (m, ssm_folder_tokenizer_sha(p, tok)?)
+        } else {
+            let (m, t) = load_gguf(p).map_err(loading)?;
+            (m, t.sha256())
+        };
+        if ssm_sha != tok.sha256() {
+            return Err(SetupError::Invalid(format!(
+                "the SSM {path} has another tokenizer than the LLM: token ids would not agree"
+            )));
+        }
+        match opts.backend {
+            DraftBackend::Onnx => {
+                let lib =
+                    specinfer_onnx::runtime_library(&mut |e| progress(&SetupEvent::Fetch(e)))?;
+                specinfer_onnx::init_runtime(&lib)?;
+                let onnx = onnx_export(p, &m, &ssm_sha, progress)?;
+                // One intra-op thread: a draft model this small gains nothing from more, and
+                // they would compete with the verifier's threads.
+                let model = OnnxModel::load(&onnx, 1).map_err(|e| {
+                    SetupError::from(e)
+                        .context(format!("loading {} in ONNX Runtime", onnx.display()))
+                })?;
+                progress(&SetupEvent::Note(format!(
+                    "drafting with {} through ONNX Runtime",
+                    onnx.display()
+                )));
+                ssms.push(Arc::new(model));
+            }
+            DraftBackend::Candle => ssms.push(Arc::new(m)),
+        }
+    }
+    Ok(ssms)
+}
+
+/// The verifier to reach, and the embedded one started for it.
+fn verifier(
+    opts: &ClientOptions,
+    tok: &Tokenizer,
+    llm: Option<Arc<Llama>>,
+) -> Result<(RemoteConfig, Option<Embedded>)> {
+    match &opts.verifier {
+        VerifierChoice::Remote {
+            server,
+            server_name,
+            trust,
+            api_key,
+        } => {
+            use std::net::ToSocketAddrs;
+            let addr = server
+                .to_socket_addrs()
+                .map_err(|e| SetupError::Invalid(format!("resolving {server}: {e}")))?
+                .next()
+                .ok_or_else(|| SetupError::Invalid(format!("{server} resolves to no address")))?;
+            let cfg = RemoteConfig {
+                addr,
+                server_name: server_name.clone(),
+                trust: trust.clone(),
+                api_key: api_key.clone(),
+                expected_model: tok.fingerprint(),
+                idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
+            };
+            Ok((cfg, None))
+        }
+        #[cfg(feature = "embedded-verifier")]
+        VerifierChoice::Embedded => {
+            let llm = llm.expect("loaded for the embedded verifier");
+            let e = crate::EmbeddedVerifier::start(
+                llm,
+                tok,
+                specinfer_verifier::engine::EngineConfig::default(),
+            )?;
+            Ok((e.remote.clone(), Some(e)))
+        }
+        #[cfg(not(feature = "embedded-verifier"))]
+        VerifierChoice::Embedded => {
+            drop(llm);
+            Err(SetupError::Invalid(
+                "this build has no embedded verifier (feature embedded-verifier): give a remote one"
+                    .into(),
+            ))
+        }
+    }
+}
+
+/// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by
+/// the weights' SHA-256 (made once).
+fn onnx_export(
+    ssm: &Path,
+    model: &Llama,
+    tokenizer_sha: &[u8; 32],
+    progress: &mut dyn FnMut(&SetupEvent),
+) -> Result<PathBuf> {
+    let shipped = ssm.join("model.onnx");
+    if shipped.is_file() {
+        return Ok(shipped);
+    }
+    let weights = if ssm.is_dir() {
+        ssm.join("model.safetensors")
+    } else {
+        ssm.to_owned()
+    };
+    let sha = fetch::sha256_file(&weights)?;
+    let dir = fetch::cache_dir().join("onnx");
+    let path = dir.join(format!("ssm-{}.onnx", &sha[..16]));
+    if !path.is_file() {
+        progress(&SetupEvent::Note(format!(
+            "exporting {} to ONNX ({})",
+            ssm.display(),
+            path.display()
+        )));
+        let io = |e: std::io::Error| SetupError::Invalid(format!("{}: {e}", path.display()));
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let partial = path.with_extension("onnx.partial");
+        let tok_hex: String = tokenizer_sha.iter().map(|b| format!("{b:02x}")).collect();
+        model.export_onnx(&partial, &[("specinfer.tokenizer_sha256", &tok_hex)])?;
+        std::fs::rename(&partial, &path).map_err(io)?;
+    }
+    Ok(path)
+}
+
+/// The tokenizer an SSM folder was trained with: its tokenizer.json if present, else the hash
+/// its config.json records (as written by specinfer-train).
+fn ssm_folder_tokenizer_sha(dir: &Path, llm_tok: &Tokenizer) -> Result<[u8; 32]> {
+    let json = dir.join("tokenizer.json");
+    if json.exists() {
+        return Ok(Tokenizer::from_file(&json, llm_tok.bos(), llm_tok.eos().to_vec())?.sha256());
+    }
+    let config = dir.join("config.json");
+    let bad = |m: String| SetupError::Invalid(format!("{}: {m}", config.display()));
+    let text = std::fs::read_to_string(&config).map_err(|e| bad(e.to_string()))?;
+    let cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let hex = cfg
+        .get("specinfer_tokenizer_sha256")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| {
+            bad("no tokenizer.json beside it and no specinfer_tokenizer_sha256 in it".into())
+        })?;
+    specinfer_wire::parse_sha256_hex(hex)
+        .ok_or_else(|| bad("specinfer_tokenizer_sha256 is not a SHA-256".into()))
+}
