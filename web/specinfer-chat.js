@@ -187,7 +187,11 @@ class SpecinferChat extends HTMLElement {
       if (!this.wt) throw new Error("not connected");
       let stream = new FrameStream(await this.wt.createBidirectionalStream());
       const started = performance.now();
-      await stream.write(this.client.open(text, maxTokens));
+      // Sampled by default, as chat front ends do (llama.cpp's temperature 0.8, top-p 0.95);
+      // temperature="0" answers greedily, token for token the LLM's own answer.
+      const temperature = Number(this.getAttribute("temperature") ?? 0.8);
+      const topP = Number(this.getAttribute("top-p") ?? 0.95);
+      await stream.write(this.client.open(text, maxTokens, temperature, topP));
       this.client.on_frame(await stream.readFrame(this.client));
       let reconnects = 0;
       for (;;) {

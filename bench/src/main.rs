@@ -314,7 +314,7 @@ fn main() -> Result<()> {
         }
     };
     let adaptive = TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec());
-    let default_tree = TreeShape::default_greedy();
+    let default_tree = TreeShape::clients_default();
     // Long round trips make this the slowest section: at most 6 prompts.
     let rtt_prompts = 6;
     for &rtt in rtts {
@@ -551,17 +551,18 @@ fn draft_mode(mode: VerifyMode, draw: DrawMode) -> DraftMode {
     }
 }
 
-/// A driver for one prompt: trees of `shape` drafted by the SSM (none: incremental decoding).
+/// A driver for one prompt: trees of `shape` drafted by the SSM (none: incremental decoding),
+/// its draws independent of the verifier's (the two once shared a seed, and with it their
+/// uniforms).
 fn driver<'a>(
     ctx: &'a Ctx,
     ids: &[u32],
     params: SamplingParams,
     shape: Option<&TreeShape>,
     draft: DraftMode,
-    seed: u64,
 ) -> Result<RoundDriver<'a>> {
     let drafter = shape.map(|s| Drafter {
-        speculator: Speculator::with_shape(s.clone(), draft, seed),
+        speculator: Speculator::for_request(s.clone(), draft, params.seed),
         drafts: vec![Box::new(CachedDraft::new(ctx.ssm.as_ref())) as Box<dyn DraftModel + Send>],
     });
     Ok(RoundDriver::new(ids.to_vec(), params, drafter)?)
@@ -572,14 +573,7 @@ fn run_local(ctx: &Ctx, shape: Option<TreeShape>, mode: VerifyMode, draw: DrawMo
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().enumerate() {
         let params = params(ctx, mode, i as u64);
-        let mut d = driver(
-            ctx,
-            ids,
-            params,
-            shape.as_ref(),
-            draft_mode(mode, draw),
-            i as u64,
-        )?;
+        let mut d = driver(ctx, ids, params, shape.as_ref(), draft_mode(mode, draw))?;
         let start = Instant::now();
         eval::run_in_process(&ctx.llm, &mut d)?;
         run.seconds += start.elapsed().as_secs_f64();
@@ -604,17 +598,10 @@ async fn run_remote(
     client.emulate_round_trip(Duration::from_millis(rtt_ms));
     let mut run = Run::default();
     for (i, ids) in ctx.prompts.iter().take(prompts).enumerate() {
-        let params = params(ctx, VerifyMode::Greedy, 0);
-        let mut d = driver(
-            ctx,
-            ids,
-            params,
-            shape.as_ref(),
-            DraftMode::Greedy,
-            i as u64,
-        )?
-        .with_pipelining(pipelining)
-        .with_lookup(lookup.then(ContextLookup::default));
+        let params = params(ctx, VerifyMode::Greedy, i as u64);
+        let mut d = driver(ctx, ids, params, shape.as_ref(), DraftMode::Greedy)?
+            .with_pipelining(pipelining)
+            .with_lookup(lookup.then(ContextLookup::default));
         let g = client.generate(&mut d, |_| {}).await?;
         run.tokens += g.token_ids.len();
         run.rounds += g.rounds;
@@ -840,7 +827,7 @@ fn markdown(
         "## 5. Tree-based vs sequence-based decoding (paper tree, {} root-to-leaf paths)\n\nOne tree forward: {:.1} ms; one forward per path: {:.1} ms; speed-up {:.2}x.\n\n",
         tvs.2, tvs.0, tvs.1, tvs.1 / tvs.0
     );
-    s += &format!("## 6. Edge/cloud: round-trip time\n\nThe round trip is added by the client on top of each round's verification. \"speculative\": the paper's tree cut to the depth that pays (`{}`); \"+ lookup\": the context lookup's chain added to every tree; \"default tree + lookup\": what `specinfer` runs in greedy mode (`{}`, a dynamic tree grown while its nodes pay, plus the chain); \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | default tree + lookup | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|---|\n", TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec()), TreeShape::default_greedy());
+    s += &format!("## 6. Edge/cloud: round-trip time\n\nThe round trip is added by the client on top of each round's verification. \"speculative\": the paper's tree cut to the depth that pays (`{}`); \"+ lookup\": the context lookup's chain added to every tree; \"default tree + lookup\": what `specinfer` runs in greedy mode (`{}`, a dynamic tree grown while its nodes pay, plus the chain); \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | default tree + lookup | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|---|\n", TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec()), TreeShape::clients_default());
     for r in rtt {
         s += &format!(
             "| {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} ({:.0}%) | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} | {:.4} | {:.4} |\n",

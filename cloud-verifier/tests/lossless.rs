@@ -430,3 +430,198 @@ fn mss_accepts_more_than_naive_sampling_on_the_same_trees() {
         "MSS should accept clearly more than naive sampling; ratio {ratio}"
     );
 }
+
+/// End to end: the first two tokens' joint distribution through the real client drawing (the
+/// round driver and speculator over a tiny random SSM), the wire (every Verify and Verified
+/// encoded and decoded) and the verifier (a session over a tiny random LLM), against the LLM's
+/// exact joint, for dynamic and expansion trees, drawn i.i.d. and without replacement, with the
+/// context lookup's chain beside them. `tamper` alters each declared proposal before it is
+/// sent, which the test must catch.
+mod end_to_end {
+    use super::chi_square_p;
+    use specinfer_kernels::sampling::distribution;
+    use specinfer_model::{Arch, KvCache, Llama, ModelConfig, SeqTree};
+    use specinfer_speculator::{
+        CachedDraft, ContextLookup, DraftMode, Drafter, RoundDriver, Speculator, TreeShape,
+    };
+    use specinfer_verifier::Session;
+    use specinfer_wire::*;
+
+    const VOCAB: usize = 8;
+    const TEMPERATURE: f32 = 1.0;
+    /// The lookup finds "1 2 3" earlier in the prompt and proposes what followed it.
+    const PROMPT: [u32; 7] = [1, 2, 3, 4, 1, 2, 3];
+
+    fn tiny(seed: u64) -> Llama {
+        let cfg = ModelConfig {
+            vocab_size: VOCAB,
+            ..ModelConfig::tiny(Arch::Llama)
+        };
+        Llama::random(cfg, seed, None).unwrap()
+    }
+
+    /// The LLM's next-token distribution after `seq`.
+    fn next(llm: &Llama, seq: &[u32]) -> Vec<f32> {
+        let mut kv = KvCache::new(llm.config());
+        let tree = TokenTree::chain(seq);
+        let out = llm.forward(&mut [SeqTree::new(&mut kv, &tree)]).unwrap();
+        distribution(out[0].node(seq.len() - 1), TEMPERATURE, 0, 1.0)
+    }
+
+    fn through_the_wire(msg: Message) -> Message {
+        let frame = encode_frame(&msg);
+        decode_frame(&frame[FRAME_HEADER_BYTES..], &Limits::default()).unwrap()
+    }
+
+    /// A proposal declared wrongly: the drawn tokens' probabilities halved.
+    fn tampered(tree: TokenTree) -> TokenTree {
+        let Some(p) = tree.proposals().cloned() else {
+            return tree;
+        };
+        let dists = p
+            .dists
+            .iter()
+            .map(|d| {
+                let mut probs: Vec<f32> = d.probs.iter().map(|&w| w * 0.5).collect();
+                probs[0] *= 4.0;
+                let total: f32 = probs.iter().sum();
+                SparseDist {
+                    probs: probs.iter().map(|w| w / total).collect(),
+                    ..d.clone()
+                }
+            })
+            .collect();
+        tree_with(tree, Proposals { dists, ..p })
+    }
+
+    fn parents(tree: &TokenTree) -> Vec<u32> {
+        (1..tree.len())
+            .map(|n| tree.parent(n).unwrap() as u32)
+            .collect()
+    }
+
+    fn tree_with(tree: TokenTree, p: Proposals) -> TokenTree {
+        TokenTree::new(tree.tokens().to_vec(), parents(&tree))
+            .unwrap()
+            .with_proposals(p)
+            .unwrap()
+    }
+
+    /// Counts of (first, second) generated token over `trials` generations.
+    fn sample_pairs(
+        llm: &Llama,
+        ssm: &Llama,
+        shape: &TreeShape,
+        draw: DrawMode,
+        trials: usize,
+        tamper: bool,
+    ) -> Vec<u64> {
+        let limits = Limits::default();
+        let mut counts = vec![0u64; VOCAB * VOCAB];
+        for trial in 0..trials as u64 {
+            let params = SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature: TEMPERATURE,
+                seed: trial,
+                ..SamplingParams::greedy(2)
+            };
+            let drafter = Drafter {
+                speculator: Speculator::with_shape(
+                    shape.clone(),
+                    DraftMode::Sample {
+                        temperature: TEMPERATURE,
+                        top_p: 1.0,
+                        top_k: 5,
+                        draw,
+                    },
+                    trial ^ 0xd1ce,
+                ),
+                drafts: vec![Box::new(CachedDraft::new(ssm))],
+            };
+            let mut driver = RoundDriver::new(PROMPT.to_vec(), params.clone(), Some(drafter))
+                .unwrap()
+                .with_lookup(Some(ContextLookup::default()));
+            let mut session = Session::open(llm, &PROMPT, params, &limits).unwrap();
+            let mut round = 0;
+            // A clock moving a millisecond a reading: the adaptive tree sees costs to weigh.
+            let now = std::cell::Cell::new(0.0);
+            let clock = || {
+                now.set(now.get() + 1e-3);
+                now.get()
+            };
+            while !driver.is_finished() {
+                let mut tree = driver.draft(&clock).unwrap();
+                if tamper {
+                    tree = tampered(tree);
+                }
+                let Message::Verify(v) = through_the_wire(Message::Verify(Verify {
+                    session: 1,
+                    round,
+                    tree,
+                })) else {
+                    unreachable!()
+                };
+                let outcome = session.verify(llm, &limits, &v.tree).unwrap();
+                let stats = RoundStats {
+                    tree_nodes: v.tree.len() as u32,
+                    batch_size: 1,
+                    queue_us: 0,
+                    forward_us: 500 + 20 * v.tree.len() as u32,
+                };
+                let Message::Verified(verdict) =
+                    through_the_wire(Message::Verified(outcome.into_verified(1, round, stats)))
+                else {
+                    unreachable!()
+                };
+                driver.on_verified(&verdict, clock()).unwrap();
+                round += 1;
+            }
+            let out = driver.generated();
+            counts[out[0] as usize * VOCAB + out[1] as usize] += 1;
+        }
+        counts
+    }
+
+    fn joint(llm: &Llama) -> Vec<f64> {
+        let p1 = next(llm, &PROMPT);
+        let mut joint = Vec::with_capacity(VOCAB * VOCAB);
+        for (x1, &a) in p1.iter().enumerate() {
+            let mut seq = PROMPT.to_vec();
+            seq.push(x1 as u32);
+            joint.extend(next(llm, &seq).iter().map(|&b| a as f64 * b as f64));
+        }
+        joint
+    }
+
+    #[test]
+    fn sampled_trees_through_client_wire_and_verifier_keep_the_llms_joint() {
+        let (llm, ssm) = (tiny(1), tiny(2));
+        let joint = joint(&llm);
+        for shape in [
+            TreeShape::Dynamic { budget: 8 },
+            TreeShape::AdaptiveDynamic { budget: 8 },
+            TreeShape::Expansion(vec![2, 2]),
+        ] {
+            for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false);
+                let pv = chi_square_p(&counts, &joint);
+                println!("{shape} {draw:?}: p-value {pv:.4}");
+                assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
+            }
+        }
+        // The mutation check: the same trees with their proposals misdeclared.
+        let counts = sample_pairs(
+            &llm,
+            &ssm,
+            &TreeShape::Dynamic { budget: 8 },
+            DrawMode::WithoutReplacement,
+            12_000,
+            true,
+        );
+        let pv = chi_square_p(&counts, &joint);
+        assert!(
+            pv < 1e-3,
+            "misdeclared proposals passed: the test has no power (p-value {pv})"
+        );
+    }
+}

@@ -78,12 +78,7 @@ impl Drop for EmbeddedVerifier {
 }
 
 fn random_key() -> String {
-    use std::hash::{BuildHasher, Hasher};
     (0..4)
-        .map(|_| {
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(std::process::id() as u64);
-            format!("{:016x}", h.finish())
-        })
+        .map(|_| format!("{:016x}", crate::setup::fresh_seed()))
         .collect()
 }

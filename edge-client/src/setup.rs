@@ -71,7 +71,8 @@ pub enum Decoding {
         temperature: f32,
         top_p: f32,
         top_k: u32,
-        seed: u64,
+        /// `None`: every request gets a fresh seed (as OpenAI's API does).
+        seed: Option<u64>,
     },
 }
 
@@ -145,48 +146,27 @@ impl std::fmt::Display for SetupEvent<'_> {
     }
 }
 
-/// The tree shape for each decoding mode (`auto`: the adaptive dynamic tree when greedy, the
-/// adaptive expansion when sampling).
-#[derive(Clone, Debug)]
-pub struct Trees {
-    pub greedy: TreeShape,
-    pub sample: TreeShape,
-}
-
-impl Trees {
-    /// `None` for "none" (incremental decoding).
-    pub fn parse(tree: &str) -> Result<Option<Trees>> {
-        Ok(match tree {
-            "none" => None,
-            "auto" => Some(Trees {
-                greedy: TreeShape::default_greedy(),
-                sample: TreeShape::default_sampled(),
-            }),
-            t => {
-                let shape: TreeShape = t.parse().map_err(SetupError::Invalid)?;
-                Some(Trees {
-                    greedy: shape.clone(),
-                    sample: shape,
-                })
-            }
-        })
-    }
-
-    pub fn for_mode(&self, mode: &DraftMode) -> &TreeShape {
-        match mode {
-            DraftMode::Greedy => &self.greedy,
-            DraftMode::Sample { .. } => &self.sample,
-        }
-    }
+/// The tree shape `--tree` names: `None` for "none" (incremental decoding), the clients'
+/// default for "auto".
+pub fn parse_tree(tree: &str) -> Result<Option<TreeShape>> {
+    Ok(match tree {
+        "none" => None,
+        "auto" => Some(TreeShape::clients_default()),
+        t => Some(t.parse().map_err(SetupError::Invalid)?),
+    })
 }
 
 /// Everything a generation needs, set up once.
 pub struct ClientSetup {
     pub tok: Arc<Tokenizer>,
     pub ssms: Vec<Arc<dyn TreeScorer + Send>>,
-    pub trees: Option<Trees>,
-    /// The request defaults (`max_tokens`, decoding, the tokenizer's stop tokens).
+    /// The drafted trees' shape; `None`: incremental decoding.
+    pub tree: Option<TreeShape>,
+    /// The request defaults (`max_tokens`, decoding, the tokenizer's stop tokens); see
+    /// [`ClientSetup::request_params`] for a request's own.
     pub params: SamplingParams,
+    /// The seed every request samples with; `None`: a fresh one each.
+    pub seed: Option<u64>,
     pub draft_mode: DraftMode,
     pub remote: RemoteConfig,
     /// The LLM's context, in positions (read from its GGUF).
@@ -207,8 +187,8 @@ impl ClientSetup {
     /// Fetches and loads what `opts` names, checks that every draft model has the LLM's
     /// tokenizer, and starts the embedded verifier if one is asked for.
     pub fn build(opts: &ClientOptions, progress: &mut dyn FnMut(&SetupEvent)) -> Result<Self> {
-        let trees = Trees::parse(&opts.tree)?;
-        let (params, draft_mode) = decoding(opts, trees.as_ref())?;
+        let tree = parse_tree(&opts.tree)?;
+        let (params, draft_mode) = decoding(opts);
         let llm_path = match &opts.llm {
             Some(p) => p.clone(),
             None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
@@ -217,7 +197,7 @@ impl ClientSetup {
             .map_err(|e| SetupError::from(e).context("fetching the default LLM"))?,
         };
         // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
-        let self_drafting = trees.is_some() && opts.ssms.iter().any(|s| s == "self");
+        let self_drafting = tree.is_some() && opts.ssms.iter().any(|s| s == "self");
         let embedded = matches!(opts.verifier, VerifierChoice::Embedded);
         let (llm, tok, context_tokens) = if embedded || self_drafting {
             let t0 = Instant::now();
@@ -238,7 +218,7 @@ impl ClientSetup {
             stop_ids: tok.eos().to_vec(),
             ..params
         };
-        let ssms = match &trees {
+        let ssms = match &tree {
             Some(_) => load_drafts(opts, &tok, llm.as_ref(), progress)?,
             None => Vec::new(),
         };
@@ -247,8 +227,12 @@ impl ClientSetup {
         Ok(ClientSetup {
             tok,
             ssms,
-            trees,
+            tree,
             params,
+            seed: match opts.decoding {
+                Decoding::Sample { seed, .. } => seed,
+                Decoding::Greedy => Some(0),
+            },
             draft_mode,
             remote,
             context_tokens,
@@ -264,6 +248,15 @@ impl ClientSetup {
     /// A connection to the verifier.
     pub async fn connect(&self) -> Result<Client> {
         Ok(Client::connect(self.remote.clone()).await?)
+    }
+
+    /// One request's parameters: the defaults, with a fresh seed unless one was set (the same
+    /// prompt then gets another sample each time, as from OpenAI's API).
+    pub fn request_params(&self) -> SamplingParams {
+        SamplingParams {
+            seed: self.seed.unwrap_or_else(fresh_seed),
+            ..self.params.clone()
+        }
     }
 
     /// A request's prompt: the chat template over `messages`, or their contents joined as raw
@@ -289,20 +282,16 @@ impl ClientSetup {
             .saturating_sub(max_new_tokens as usize + tree)
     }
 
-    /// The round driver for one generation after `ids`, drafting as set up (for `draft_mode`'s
-    /// tree), streaming text.
+    /// The round driver for one generation after `ids`, drafting as set up in `draft_mode`,
+    /// streaming text.
     pub fn driver(
         &self,
         ids: &[u32],
         params: SamplingParams,
         draft_mode: DraftMode,
     ) -> Result<RoundDriver<'_>> {
-        let drafter = self.trees.as_ref().map(|trees| Drafter {
-            speculator: Speculator::with_shape(
-                trees.for_mode(&draft_mode).clone(),
-                draft_mode,
-                params.seed ^ 0x5eed,
-            ),
+        let drafter = self.tree.as_ref().map(|shape| Drafter {
+            speculator: Speculator::for_request(shape.clone(), draft_mode, params.seed),
             drafts: self
                 .ssms
                 .iter()
@@ -336,11 +325,10 @@ impl ClientSetup {
     }
 }
 
-/// The request defaults and the draft's mode for `opts.decoding`; a tree that cannot be sampled
-/// is refused when sampling.
-fn decoding(opts: &ClientOptions, trees: Option<&Trees>) -> Result<(SamplingParams, DraftMode)> {
+/// The request defaults and the draft's mode for `opts.decoding`.
+fn decoding(opts: &ClientOptions) -> (SamplingParams, DraftMode) {
     let greedy = SamplingParams::greedy(opts.max_tokens);
-    let (params, draft_mode) = match opts.decoding {
+    match opts.decoding {
         Decoding::Greedy => (greedy, DraftMode::Greedy),
         Decoding::Sample {
             temperature,
@@ -353,21 +341,12 @@ fn decoding(opts: &ClientOptions, trees: Option<&Trees>) -> Result<(SamplingPara
                 temperature,
                 top_p,
                 top_k,
-                seed,
+                seed: seed.unwrap_or(0),
                 ..greedy
             },
             DraftMode::sampled(temperature, top_p),
         ),
-    };
-    if params.mode != VerifyMode::Greedy
-        && trees.is_some_and(|t| t.for_mode(&draft_mode).is_greedy_only())
-    {
-        return Err(SetupError::Invalid(
-            "dynamic trees are built in greedy mode only; use an expansion like 1,1,3,1 to sample"
-                .into(),
-        ));
     }
-    Ok((params, draft_mode))
 }
 
 /// Loads every draft model `opts` names, each checked to have the LLM's tokenizer.
@@ -536,4 +515,17 @@ fn ssm_folder_tokenizer_sha(dir: &Path, llm_tok: &Tokenizer) -> Result<[u8; 32]>
         })?;
     specinfer_wire::parse_sha256_hex(hex)
         .ok_or_else(|| bad("specinfer_tokenizer_sha256 is not a SHA-256".into()))
+}
+
+/// A seed no other request is likely to share: the standard library's per-process random keys
+/// (from the OS) hashed with the time and a counter.
+pub fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    h.finish()
 }

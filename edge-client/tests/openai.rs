@@ -115,6 +115,30 @@ fn chat_completions_stream_as_server_sent_events() {
         "greedy streaming and non-streaming answers differ"
     );
 
+    // Fields a request leaves out take OpenAI's defaults: temperature 1 (sampled), and a fresh
+    // seed each time, so the same unseeded question gets another answer; a seed reproduces one.
+    let content = |body: &str| {
+        let (code, reply) = curl(&["-d", body, &url("/v1/chat/completions")]);
+        assert_eq!(code, 200, "{reply}");
+        let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        reply["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let unseeded = request.replace(",\"temperature\":0", "");
+    let answers: Vec<String> = (0..3).map(|_| content(&unseeded)).collect();
+    assert!(
+        answers.iter().any(|a| a != &answers[0]),
+        "three unseeded sampled answers were all the same: {answers:?}"
+    );
+    let seeded = unseeded.replace("\"max_tokens\":24", "\"max_tokens\":24,\"seed\":7");
+    assert_eq!(
+        content(&seeded),
+        content(&seeded),
+        "a seed must reproduce its sample"
+    );
+
     let (code, err) = curl(&["-d", "{not json", &url("/v1/chat/completions")]);
     assert_eq!(code, 400);
     assert!(err.contains("invalid_request_error"));

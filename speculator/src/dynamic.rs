@@ -1,63 +1,66 @@
 //! Dynamic trees: best-first growth by the draft's path probabilities, to a node budget or
-//! while each node pays at the measured costs.
+//! while each node pays at the measured costs; their children the draft's likeliest tokens
+//! (greedy) or draws from its distribution (sampling).
 
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+use specinfer_kernels::sampling::{distribution, sample, top_k_sparse};
 use specinfer_model::ModelError;
-use specinfer_wire::TokenTree;
+use specinfer_wire::{DrawMode, Proposals, SparseDist, TokenTree};
 
 use crate::select::{log_sum_exp, top_k_tokens};
 use crate::speculator::Drafted;
 use crate::DraftModel;
 
-/// Best-first tree growth: candidates (a scored node's likely next tokens) are ranked by the
-/// draft's log-probability of the whole path; each wave adds the best few and scores them in one
-/// draft forward, as far as `growth` lets it.
+/// A node gets at most this many children: past the eighth, a draft's next token is rarely
+/// worth a node.
+const CHILDREN_PER_NODE: usize = 8;
+
+/// Best-first tree growth: candidates (a scored node's possible children) are ranked by the
+/// draft's probability of the path to them; each wave adds the best few and scores them in one
+/// draft forward, as far as `growth` lets it. `frontier` says what the candidates are: the
+/// draft's likeliest tokens (greedy verification), or draws from its distribution (speculative
+/// sampling).
 pub(crate) fn dynamic_tree(
     model: &mut dyn DraftModel,
     committed: &[u32],
     budget: usize,
     growth: Growth,
+    frontier: &mut dyn Frontier,
 ) -> Result<(TokenTree, Drafted), ModelError> {
-    const CHILDREN_PER_NODE: usize = 8;
     let mut tree = TokenTree::root(*committed.last().expect("committed tokens are never empty"));
     let mut drafted = Drafted::default();
-    let mut path_logp = vec![0f64];
-    // (path log-prob, parent, token)
-    let mut candidates: Vec<(f64, u32, u32)> = Vec::new();
+    let mut path_p = vec![1f64];
     let wave = budget.div_ceil(6).max(1);
     let mut scored = 0;
     while tree.len() <= budget {
         let logits = model.extend(&tree, scored)?;
         drafted.forwards += 1;
         for (node, l) in (scored..tree.len()).zip(&logits) {
-            let lse = log_sum_exp(l);
-            for t in top_k_tokens(l, CHILDREN_PER_NODE.min(budget)) {
-                candidates.push((path_logp[node] + l[t as usize] as f64 - lse, node as u32, t));
-            }
+            frontier.score(node as u32, l, path_p[node], budget);
         }
         scored = tree.len();
-        candidates.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
         for i in 0..wave.min(budget + 1 - tree.len()) {
-            let Some(&(logp, parent, token)) = candidates.last() else {
+            let Some(value) = frontier.best() else {
                 break;
             };
-            if !growth.places(&tree, drafted, logp.exp(), i == 0) {
+            if !growth.places(&tree, drafted, value, i == 0) {
                 break;
             }
-            candidates.pop();
-            tree.push(parent, token);
-            path_logp.push(logp);
-            drafted.expected += logp.exp();
+            let p = frontier.place(&mut tree);
+            path_p.push(p);
+            drafted.expected += p;
         }
         if tree.len() == scored {
             break;
         }
         // No candidate the next forward could add (the new nodes' children, no likelier than
         // their parents, or one already waiting) would pay for that forward: skip it.
-        let bound = path_logp[scored..]
+        let bound = path_p[scored..]
             .iter()
-            .chain(candidates.last().map(|c| &c.0))
-            .fold(f64::NEG_INFINITY, |a, &b| a.max(b))
-            .exp();
+            .copied()
+            .chain(frontier.best())
+            .fold(0f64, f64::max);
         let after_next = Drafted {
             forwards: drafted.forwards + 1,
             ..drafted
@@ -67,6 +70,224 @@ pub(crate) fn dynamic_tree(
         }
     }
     Ok((tree, drafted))
+}
+
+/// The candidate children of a growing dynamic tree.
+pub(crate) trait Frontier {
+    /// Adds the candidates of `node`, just scored by the draft (`logits`), whose path has
+    /// probability `path_p` under the draft.
+    fn score(&mut self, node: u32, logits: &[f32], path_p: f64, budget: usize);
+    /// The expected path probability of the child [`Frontier::place`] would add next.
+    fn best(&mut self) -> Option<f64>;
+    /// Adds that child to `tree`; returns its path probability.
+    fn place(&mut self, tree: &mut TokenTree) -> f64;
+}
+
+/// Greedy verification: a node's candidates are the draft's likeliest tokens, ranked by the
+/// path probability through them.
+pub(crate) struct LikeliestTokens {
+    /// (path log-probability, parent, token), sorted ascending when `sorted`.
+    candidates: Vec<(f64, u32, u32)>,
+    sorted: bool,
+    /// Each placed node's path log-probability (kept in logs: the ranking compares them).
+    path_logp: Vec<f64>,
+}
+
+impl Default for LikeliestTokens {
+    fn default() -> Self {
+        LikeliestTokens {
+            candidates: Vec::new(),
+            sorted: true,
+            path_logp: vec![0.0],
+        }
+    }
+}
+
+impl Frontier for LikeliestTokens {
+    fn score(&mut self, node: u32, l: &[f32], _path_p: f64, budget: usize) {
+        let lse = log_sum_exp(l);
+        let parent_logp = self.path_logp[node as usize];
+        for t in top_k_tokens(l, CHILDREN_PER_NODE.min(budget)) {
+            self.candidates
+                .push((parent_logp + l[t as usize] as f64 - lse, node, t));
+        }
+        self.sorted = false;
+    }
+
+    fn best(&mut self) -> Option<f64> {
+        if !self.sorted {
+            // Best last; ties to the lower parent, then the lower token.
+            self.candidates
+                .sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+            self.sorted = true;
+        }
+        self.candidates.last().map(|c| c.0.exp())
+    }
+
+    fn place(&mut self, tree: &mut TokenTree) -> f64 {
+        self.best();
+        let (logp, parent, token) = self.candidates.pop().expect("placed after best()");
+        tree.push(parent, token);
+        self.path_logp.push(logp);
+        logp.exp()
+    }
+}
+
+/// Speculative sampling: a node's candidates are draws from the draft's distribution (after
+/// temperature and top-p, truncated to its `top_k` likeliest tokens), made one at a time, i.i.d.
+/// or without replacement; every draw is kept and declared with its proposal.
+///
+/// Why the LLM's distribution survives: the verifier walks a node's children in draw order and
+/// accepts child j with min(1, r_j(x_j)/q_j(x_j)), where r_j is the residual target after the
+/// earlier children were rejected and q_j the distribution x_j was drawn from; the token it
+/// emits at that node is then distributed as r_j, whatever happens after a rejection, so as r_1
+/// = p by induction. That induction needs each x_j to be a draw from q_j given everything before
+/// it; it does not need the number of draws, or which nodes are expanded, to be fixed: here they
+/// follow the draft's probabilities and the draws already made (a draw is decided before it is
+/// made and never dropped after), and never the LLM, whose randomness is the verifier's own.
+/// Below an accepted child the same holds for its subtree, whatever its shape.
+pub(crate) struct DrawnTokens<'r> {
+    pub(crate) temperature: f32,
+    pub(crate) top_p: f32,
+    pub(crate) top_k: usize,
+    pub(crate) draw: DrawMode,
+    pub(crate) rng: &'r mut ChaCha8Rng,
+    open: Vec<OpenNode>,
+    dists: Vec<SparseDist>,
+    drawn_from: Vec<u32>,
+}
+
+/// A scored node that may get more children.
+struct OpenNode {
+    node: u32,
+    /// Index of its proposal in `dists`.
+    dist: usize,
+    path_p: f64,
+    /// Its proposal's tokens not drawn yet.
+    undrawn: Vec<bool>,
+    children: usize,
+}
+
+impl<'r> DrawnTokens<'r> {
+    pub(crate) fn new(
+        temperature: f32,
+        top_p: f32,
+        top_k: usize,
+        draw: DrawMode,
+        rng: &'r mut ChaCha8Rng,
+    ) -> Self {
+        DrawnTokens {
+            temperature,
+            top_p,
+            top_k,
+            draw,
+            rng,
+            open: Vec::new(),
+            dists: Vec::new(),
+            drawn_from: Vec::new(),
+        }
+    }
+
+    /// The expected draft probability of `o`'s next draw: what it adds to the tree's expected
+    /// accepted length if the draft is calibrated. Without replacement the draw comes from the
+    /// undrawn tokens renormalised; i.i.d. it may repeat a token, which adds nothing.
+    fn next_value(&self, o: &OpenNode) -> f64 {
+        let probs = &self.dists[o.dist].probs;
+        let (mut sq, mut mass) = (0f64, 0f64);
+        for (&w, _) in probs.iter().zip(&o.undrawn).filter(|(_, &u)| u) {
+            sq += (w as f64) * (w as f64);
+            mass += w as f64;
+        }
+        match self.draw {
+            DrawMode::WithoutReplacement if mass > 0.0 => o.path_p * sq / mass,
+            DrawMode::WithoutReplacement => 0.0,
+            DrawMode::Iid => o.path_p * sq,
+        }
+    }
+
+    /// The best open node's index in `open`, with its next draw's value (ties to the lower
+    /// node).
+    fn best_open(&self) -> Option<(usize, f64)> {
+        self.open
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (i, self.next_value(o)))
+            .filter(|&(_, v)| v > 0.0)
+            .fold(None, |best: Option<(usize, f64)>, (i, v)| match best {
+                Some((_, bv)) if bv >= v => best,
+                _ => Some((i, v)),
+            })
+    }
+
+    /// `tree` with its proposals: the distributions children were drawn from (those of nodes
+    /// that got none are left out).
+    pub(crate) fn attach(self, tree: TokenTree) -> TokenTree {
+        let mut used: Vec<Option<u32>> = vec![None; self.dists.len()];
+        let mut dists = Vec::new();
+        for &d in &self.drawn_from {
+            if used[d as usize].is_none() {
+                used[d as usize] = Some(dists.len() as u32);
+                dists.push(self.dists[d as usize].clone());
+            }
+        }
+        let drawn_from = self
+            .drawn_from
+            .iter()
+            .map(|&d| used[d as usize].expect("every draw's proposal is kept"))
+            .collect();
+        tree.with_proposals(Proposals {
+            mode: self.draw,
+            dists,
+            drawn_from,
+        })
+        .expect("a sampled dynamic tree declares every draw's proposal")
+    }
+}
+
+impl Frontier for DrawnTokens<'_> {
+    fn score(&mut self, node: u32, l: &[f32], path_p: f64, _budget: usize) {
+        let q = distribution(l, self.temperature, 0, self.top_p);
+        let (ids, probs) = top_k_sparse(&q, self.top_k);
+        let undrawn = vec![true; ids.len()];
+        self.open.push(OpenNode {
+            node,
+            dist: self.dists.len(),
+            path_p,
+            undrawn,
+            children: 0,
+        });
+        self.dists.push(SparseDist { node, ids, probs });
+    }
+
+    fn best(&mut self) -> Option<f64> {
+        self.best_open().map(|(_, v)| v)
+    }
+
+    fn place(&mut self, tree: &mut TokenTree) -> f64 {
+        let (i, _) = self.best_open().expect("placed after best()");
+        let draw_mode = self.draw;
+        let o = &mut self.open[i];
+        let dist = &self.dists[o.dist];
+        let weights: Vec<f32> = match draw_mode {
+            DrawMode::WithoutReplacement => dist
+                .probs
+                .iter()
+                .zip(&o.undrawn)
+                .map(|(&w, &u)| if u { w } else { 0.0 })
+                .collect(),
+            DrawMode::Iid => dist.probs.clone(),
+        };
+        let k = sample(&weights, self.rng.random());
+        o.undrawn[k] = false;
+        o.children += 1;
+        tree.push(o.node, dist.ids[k]);
+        self.drawn_from.push(o.dist as u32);
+        let p = o.path_p * dist.probs[k] as f64;
+        if o.children >= CHILDREN_PER_NODE {
+            self.open.swap_remove(i);
+        }
+        p
+    }
 }
 
 /// How far a dynamic tree grows.

@@ -2,8 +2,6 @@
 
 use specinfer_wire::DrawMode;
 
-use crate::Speculator;
-
 /// How children are chosen at each expanded node.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum DraftMode {
@@ -24,14 +22,16 @@ impl DraftMode {
     /// proposals travel on the wire, and past 16 tokens a small draft's tail holds little mass.
     pub const SAMPLED_TOP_K: usize = 16;
 
-    /// Children drawn i.i.d. from the draft's distribution at the request's temperature and
-    /// top-p, truncated to [`DraftMode::SAMPLED_TOP_K`] tokens (the clients' sampling drafts).
+    /// Children drawn without replacement from the draft's distribution at the request's
+    /// temperature and top-p, truncated to [`DraftMode::SAMPLED_TOP_K`] tokens (the clients'
+    /// sampling drafts; verified by recursive rejection sampling, which never spends two nodes
+    /// on one token: held-out tau 1.96 against 1.80 drawing i.i.d., dynamic tree of 32 nodes).
     pub fn sampled(temperature: f32, top_p: f32) -> DraftMode {
         DraftMode::Sample {
             temperature,
             top_p,
             top_k: Self::SAMPLED_TOP_K,
-            draw: DrawMode::Iid,
+            draw: DrawMode::WithoutReplacement,
         }
     }
 }
@@ -43,7 +43,8 @@ pub enum TreeShape {
     /// `<1,1,3,1,1,1,1,1>` is the paper's default.
     Expansion(Vec<usize>),
     /// Beyond the paper: grow, wave by wave, the candidates with the highest path probability
-    /// under the draft model until `budget` nodes (root excluded) are placed. Greedy mode only.
+    /// under the draft model until `budget` nodes (root excluded) are placed. When sampling,
+    /// each child is a draw from the draft's distribution, declared with its proposal.
     Dynamic { budget: usize },
     /// An expansion tree cut to the depth that maximises measured tokens per second: deeper trees
     /// pay off only while the draft keeps being accepted there and verifying stays cheap next to
@@ -54,7 +55,7 @@ pub enum TreeShape {
     /// does not pay for its verification (and, for a wave's first node, the draft forward that
     /// scored its parent) at the rate the tree reached so far. Whether to draft at all is learned
     /// from the rounds that tried, with drafting tried again now and then, as for
-    /// [`TreeShape::Adaptive`]. Greedy mode only.
+    /// [`TreeShape::Adaptive`].
     AdaptiveDynamic { budget: usize },
 }
 
@@ -63,14 +64,15 @@ impl TreeShape {
     /// puts the same nodes where they are likelier accepted than the paper's fixed expansion
     /// (held-out tau 2.24 vs 1.62 at 32 nodes vs 20), and the adaptive cut spends nodes only
     /// where the measured costs pay for them.
-    pub fn default_greedy() -> TreeShape {
+    pub fn clients_default() -> TreeShape {
         TreeShape::AdaptiveDynamic { budget: 32 }
     }
 
-    /// The clients' tree when sampling: the paper's expansion, whose children are drawn from the
-    /// draft (dynamic trees cannot be), cut to the depth that pays.
+    /// The clients' tree when sampling: the same adaptive dynamic tree, its children drawn from
+    /// the draft without replacement (held-out tau at T = 0.8, 12 prompts x 48 tokens, whole
+    /// budget: 1.96, 2.09 with the context lookup; the paper's expansion tree 1.55).
     pub fn default_sampled() -> TreeShape {
-        TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec())
+        TreeShape::AdaptiveDynamic { budget: 32 }
     }
 
     /// The tree without its adaptive cut: what it grows to while every node pays.
@@ -80,15 +82,6 @@ impl TreeShape {
             TreeShape::AdaptiveDynamic { budget } => TreeShape::Dynamic { budget: *budget },
             other => other.clone(),
         }
-    }
-
-    /// Dynamic trees pick their tokens by the draft's probabilities, not by drawing from them, so
-    /// they carry no proposals for speculative sampling.
-    pub fn is_greedy_only(&self) -> bool {
-        matches!(
-            self,
-            TreeShape::Dynamic { .. } | TreeShape::AdaptiveDynamic { .. }
-        )
     }
 }
 

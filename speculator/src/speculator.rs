@@ -8,7 +8,7 @@ use specinfer_model::ModelError;
 use specinfer_wire::TokenTree;
 
 use crate::controller::{Calibration, DraftAttempts};
-use crate::dynamic::{dynamic_tree, Growth};
+use crate::dynamic::{dynamic_tree, DrawnTokens, Growth, LikeliestTokens};
 use crate::expansion::expand_tree;
 use crate::{merge_trees, DepthController, DraftMode, DraftModel, RoundObservation, TreeShape};
 
@@ -40,6 +40,13 @@ impl Speculator {
     /// An expansion-tree speculator (see [`TreeShape::Expansion`]).
     pub fn new(expansion: Vec<usize>, mode: DraftMode, seed: u64) -> Self {
         Self::with_shape(TreeShape::Expansion(expansion), mode, seed)
+    }
+
+    /// The speculator of a request whose verifier samples with `request_seed`: its draws come
+    /// from another stream (the seed salted), independent of the verifier's acceptance tests,
+    /// which lossless sampling needs, and as reproducible as they are.
+    pub fn for_request(shape: TreeShape, mode: DraftMode, request_seed: u64) -> Self {
+        Self::with_shape(shape, mode, request_seed ^ 0x5eed_d4af_7000_0000)
     }
 
     pub fn with_shape(shape: TreeShape, mode: DraftMode, seed: u64) -> Self {
@@ -147,19 +154,34 @@ impl Speculator {
         Ok(tree)
     }
 
+    /// A dynamic tree of the speculator's mode: the draft's likeliest tokens, or draws.
     fn dynamic(
-        &self,
+        &mut self,
         model: &mut dyn DraftModel,
         committed: &[u32],
         budget: usize,
         growth: Growth,
     ) -> Result<(TokenTree, Drafted), ModelError> {
-        assert_eq!(
-            self.mode,
-            DraftMode::Greedy,
-            "dynamic trees are built in greedy mode only"
-        );
-        dynamic_tree(model, committed, budget, growth)
+        match self.mode {
+            DraftMode::Greedy => dynamic_tree(
+                model,
+                committed,
+                budget,
+                growth,
+                &mut LikeliestTokens::default(),
+            ),
+            DraftMode::Sample {
+                temperature,
+                top_p,
+                top_k,
+                draw,
+            } => {
+                let mut frontier = DrawnTokens::new(temperature, top_p, top_k, draw, &mut self.rng);
+                let (tree, drafted) =
+                    dynamic_tree(model, committed, budget, growth, &mut frontier)?;
+                Ok((frontier.attach(tree), drafted))
+            }
+        }
     }
 
     /// Pipelining: drafts the tree that would follow `in_flight` (just sent, rooted at

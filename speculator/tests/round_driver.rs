@@ -61,7 +61,11 @@ impl DraftModel for ToyDraft {
                 if self.wrong_every > 0 && len.is_multiple_of(self.wrong_every) {
                     // Wrong; the LLM's token its second choice half the time.
                     best = 60;
-                    second = if len.is_multiple_of(2) { truth(len) } else { 61 };
+                    second = if len.is_multiple_of(2) {
+                        truth(len)
+                    } else {
+                        61
+                    };
                 }
                 let mut logits = vec![-10.0f32; VOCAB];
                 logits[best as usize] = 5.0;

@@ -397,9 +397,7 @@ fn tree_shapes_print_as_they_parse() {
         TreeShape::AdaptiveDynamic { budget: 32 }
     );
     assert_eq!(
-        TreeShape::default_greedy().uncut(),
+        TreeShape::clients_default().uncut(),
         TreeShape::Dynamic { budget: 32 }
     );
-    assert!(TreeShape::default_greedy().is_greedy_only());
-    assert!(!TreeShape::default_sampled().is_greedy_only());
 }

@@ -96,7 +96,7 @@ async fn the_browser_widget_answers_like_the_native_client() {
     tokio::spawn(serve_web(listener, files, reports));
 
     let url = format!(
-        "http://{web}/?prompt={}&max_tokens={MAX_TOKENS}",
+        "http://{web}/?prompt={}&max_tokens={MAX_TOKENS}&temperature=0",
         PROMPT.replace(' ', "%20")
     );
     // First in real time (the page's clocks run: tokens/s and the SSM's drafting speed), then

@@ -11,7 +11,7 @@ use specinfer_model::{KvCache, Llama, SeqTree};
 use specinfer_speculator::{
     CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeShape,
 };
-use specinfer_wire::{Limits, RoundStats, SamplingParams, TokenTree};
+use specinfer_wire::{Limits, RoundStats, SamplingParams, TokenTree, VerifyMode};
 
 use crate::teacher::Example;
 
@@ -168,7 +168,7 @@ pub fn tau(
     report: &mut Report,
 ) -> Result<()> {
     let paper = TreeShape::Expansion(Speculator::PAPER_EXPANSION.to_vec());
-    let default = TreeShape::default_greedy().uncut();
+    let default = TreeShape::clients_default().uncut();
     let lookup = Some(ContextLookup::default());
     report.tau_paper_tree = tau_with(llm, ssms, examples, max_new, &paper, None)?;
     report.tau_paper_tree_with_lookup = tau_with(llm, ssms, examples, max_new, &paper, lookup)?;
@@ -189,21 +189,45 @@ pub fn tau_with(
     shape: &TreeShape,
     lookup: Option<ContextLookup>,
 ) -> Result<f64> {
+    let prompts: Vec<&[u32]> = examples.iter().map(|e| e.prompt.as_slice()).collect();
+    tau_decoding(llm, ssms, &prompts, max_new, shape, lookup, None)
+}
+
+/// Mean tokens per round with trees of `shape` (plus `lookup`'s chain) after each prompt: greedy
+/// (`temperature` None), or sampling at that temperature (top-p 1, each prompt its own seed)
+/// with the clients' sampled drafts.
+pub fn tau_decoding(
+    llm: &Llama,
+    ssms: &[&Llama],
+    prompts: &[&[u32]],
+    max_new: u32,
+    shape: &TreeShape,
+    lookup: Option<ContextLookup>,
+    temperature: Option<f32>,
+) -> Result<f64> {
     let (mut tokens, mut rounds) = (0usize, 0usize);
-    for example in examples {
+    for (i, prompt) in prompts.iter().enumerate() {
+        let (params, mode) = match temperature {
+            None => (SamplingParams::greedy(max_new), DraftMode::Greedy),
+            Some(t) => (
+                SamplingParams {
+                    mode: VerifyMode::Stochastic,
+                    temperature: t,
+                    seed: i as u64,
+                    ..SamplingParams::greedy(max_new)
+                },
+                DraftMode::sampled(t, 1.0),
+            ),
+        };
         let drafter = Drafter {
-            speculator: Speculator::with_shape(shape.clone(), DraftMode::Greedy, 0),
+            speculator: Speculator::for_request(shape.clone(), mode, params.seed),
             drafts: ssms
                 .iter()
                 .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
                 .collect(),
         };
-        let mut driver = RoundDriver::new(
-            example.prompt.clone(),
-            SamplingParams::greedy(max_new),
-            Some(drafter),
-        )?
-        .with_lookup(lookup);
+        let mut driver =
+            RoundDriver::new(prompt.to_vec(), params, Some(drafter))?.with_lookup(lookup);
         run_in_process(llm, &mut driver)?;
         tokens += driver.generated().len();
         rounds += driver.stats().rounds;

@@ -30,6 +30,31 @@ enum Command {
     Boost(BoostArgs),
     /// Table 1 for SSMs alone and merged: top-k alignment (greedy and stochastic) and tau.
     Eval(EvalArgs),
+    /// Tokens per LLM pass (tau) of an SSM on held-out ShareGPT prompts, greedy and sampling,
+    /// for each tree shape given: what a tree or drafter change is judged by.
+    Tau(TauArgs),
+}
+
+#[derive(clap::Args)]
+struct TauArgs {
+    /// The SSM folder.
+    #[arg(long, default_value = "models/ssm")]
+    ssm: PathBuf,
+    /// Held-out prompts (the same ones `run` holds out).
+    #[arg(long, default_value_t = 60)]
+    prompts: usize,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 64)]
+    max_new: u32,
+    /// Sampling temperature of the sampled rows.
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Tree shapes (as the CLI's --tree takes them); repeat for several.
+    #[arg(long, default_values_t = ["adaptive:dynamic:32".to_string(), "dynamic:32".to_string(), "1,1,3,1,1,1,1,1".to_string()])]
+    tree: Vec<String>,
+    /// Add the context lookup's chain (as the clients do by default).
+    #[arg(long)]
+    lookup: bool,
 }
 
 /// The SSM's shape and its training schedule.
@@ -144,7 +169,44 @@ fn main() -> Result<()> {
         Command::Run(a) => run(a),
         Command::Boost(b) => boost(b),
         Command::Eval(e) => eval_ensemble(e),
+        Command::Tau(t) => tau_table(t),
     }
+}
+
+/// Prints a Markdown table of greedy and sampled tau per tree shape.
+fn tau_table(a: TauArgs) -> Result<()> {
+    let (llm, tok) = load_llm(&None)?;
+    let ssm =
+        Llama::from_safetensors(&a.ssm).with_context(|| format!("loading {}", a.ssm.display()))?;
+    let prompts: Vec<Vec<u32>> = data::prompts(&fetch::cache_dir(), 1000)?
+        .into_iter()
+        .filter(|p| data::held_out(p))
+        .take(a.prompts)
+        .map(|p| tok.encode(&tok.chat_prompt(&[specinfer_model::ChatMessage::new("user", &p)])))
+        .collect::<std::result::Result<_, _>>()?;
+    let prompts: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let lookup = a.lookup.then(specinfer_speculator::ContextLookup::default);
+    println!(
+        "| tree | greedy tau | sampled tau (T = {}) |\n|---|---|---|",
+        a.temperature
+    );
+    for tree in &a.tree {
+        let shape: specinfer_speculator::TreeShape = tree.parse().map_err(anyhow::Error::msg)?;
+        let t0 = std::time::Instant::now();
+        let greedy = eval::tau_decoding(&llm, &[&ssm], &prompts, a.max_new, &shape, lookup, None)?;
+        let sampled = eval::tau_decoding(
+            &llm,
+            &[&ssm],
+            &prompts,
+            a.max_new,
+            &shape,
+            lookup,
+            Some(a.temperature),
+        )?;
+        println!("| {tree} | {greedy:.2} | {sampled:.2} |");
+        eprintln!("  ({tree}: {:.0} s)", t0.elapsed().as_secs_f64());
+    }
+    Ok(())
 }
 
 fn default_work(work: &Option<PathBuf>) -> PathBuf {

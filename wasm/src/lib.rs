@@ -17,7 +17,7 @@ use specinfer_speculator::{
 };
 use specinfer_wire::{
     decode_frame, encode_frame, frame_len, ClientHello, ErrorCode, Limits, Message, OpenSession,
-    SamplingParams, Verify, FRAME_HEADER_BYTES, PROTOCOL_VERSION,
+    SamplingParams, Verify, VerifyMode, FRAME_HEADER_BYTES, PROTOCOL_VERSION,
 };
 use wasm_bindgen::prelude::*;
 
@@ -142,20 +142,52 @@ impl BrowserClient {
         }))
     }
 
-    /// Starts a new answer to `user_message` (greedy: token-identical to the LLM alone).
-    pub fn open(&mut self, user_message: &str, max_tokens: u32) -> Result<Vec<u8>, BrowserError> {
+    /// Starts a new answer to `user_message`, sampled at `temperature` and `top_p` with a fresh
+    /// seed (speculative sampling: distributed as the LLM's own sampling), or greedy at
+    /// temperature 0 (token-identical to the LLM alone).
+    pub fn open(
+        &mut self,
+        user_message: &str,
+        max_tokens: u32,
+        temperature: f32,
+        top_p: f32,
+    ) -> Result<Vec<u8>, BrowserError> {
         let text = self
             .tokenizer
             .chat_prompt(&[ChatMessage::new("user", user_message)]);
         let prompt = self.tokenizer.encode(&text)?;
-        let params = SamplingParams {
+        let greedy = SamplingParams {
             stop_ids: self.tokenizer.eos().to_vec(),
             ..SamplingParams::greedy(max_tokens)
+        };
+        let (params, draft_mode) = if temperature > 0.0 {
+            if !(top_p > 0.0 && top_p <= 1.0) {
+                return Err(BrowserError::Settings(format!(
+                    "top-p {top_p} is outside (0, 1]"
+                )));
+            }
+            let mut seed = [0u8; 8];
+            getrandom::fill(&mut seed)
+                .map_err(|e| BrowserError::Settings(format!("no randomness for a seed: {e}")))?;
+            let params = SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature,
+                top_p,
+                seed: u64::from_le_bytes(seed),
+                ..greedy
+            };
+            (params, DraftMode::sampled(temperature, top_p))
+        } else {
+            (greedy, DraftMode::Greedy)
         };
         if let Some(previous) = self.driver.take() {
             self.drafter = previous.into_drafter();
         }
-        let mut driver = RoundDriver::new(prompt, params, self.drafter.take())
+        let mut drafter = self.drafter.take();
+        if let Some(d) = &mut drafter {
+            d.speculator.mode = draft_mode;
+        }
+        let mut driver = RoundDriver::new(prompt, params, drafter)
             .map_err(|e| BrowserError::Protocol(e.to_string()))?
             .with_lookup(Some(ContextLookup::default()))
             .with_text(self.tokenizer.clone());

@@ -60,7 +60,7 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
         ),
         ("Name two oceans.", Loss::Reopen),
     ] {
-        let (ids, text, stats, opened) = answer(&mut client, &llm, question, loss);
+        let (ids, text, stats, opened) = answer(&mut client, &llm, question, 0.0, loss);
         let expected = incremental(&llm, opened);
         assert_eq!(ids, expected, "{loss:?}: speculation changed the answer");
         let visible: Vec<u32> = expected
@@ -80,6 +80,21 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
                 "the lookup drafted nothing accepted in a repeating answer: {stats}"
             );
         }
+    }
+    // Sampled (the widget's default), through a lost round: every tree beyond the root carries
+    // the proposals its draws came from (the verifier would refuse it otherwise), and the text
+    // streamed is the answer's.
+    for seed_run in 0..2 {
+        let (ids, text, _, (_, params)) =
+            answer(&mut client, &llm, "Name two oceans.", 0.8, Loss::Resume);
+        assert_eq!(params.mode, VerifyMode::Stochastic);
+        assert!(!ids.is_empty(), "run {seed_run}");
+        let visible: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|t| !tok.eos().contains(t))
+            .collect();
+        assert_eq!(text, tok.decode(&visible).unwrap());
     }
     // A header announcing more than the limits allow is refused before any allocation.
     assert!(client.frame_len(&u32::MAX.to_le_bytes()).is_err());
@@ -115,6 +130,7 @@ fn answer(
     client: &mut BrowserClient,
     llm: &specinfer_model::Llama,
     question: &str,
+    temperature: f32,
     loss: Loss,
 ) -> (
     Vec<u32>,
@@ -123,10 +139,11 @@ fn answer(
     (Vec<u32>, SamplingParams),
 ) {
     let limits = Limits::default();
-    let (session_id, prompt, params) = match decode(&client.open(question, 40).unwrap()) {
-        Message::OpenSession(o) => (o.session, o.prompt, o.params),
-        other => panic!("expected OpenSession, got {other:?}"),
-    };
+    let (session_id, prompt, params) =
+        match decode(&client.open(question, 40, temperature, 0.95).unwrap()) {
+            Message::OpenSession(o) => (o.session, o.prompt, o.params),
+            other => panic!("expected OpenSession, got {other:?}"),
+        };
     let request = (prompt.clone(), params.clone());
     let mut session = Session::open(llm, &prompt, params, &limits).unwrap();
     let opened = encode_frame(&Message::SessionOpened(SessionOpened {

@@ -98,24 +98,32 @@ struct CommonArgs {
     /// speculative sampling).
     #[arg(long, default_value = "auto")]
     tree: String,
-    /// greedy (token-identical to the LLM alone) or sample (multi-step speculative sampling).
-    #[arg(long, default_value = "greedy")]
-    mode: String,
+    /// greedy (token-identical to the LLM alone) or sample (speculative sampling: distributed
+    /// exactly as the LLM's own sampling). Default: greedy for `generate` (reproducible), sample
+    /// for `chat` (greedy small models loop), OpenAI's defaults for fields a request to
+    /// `serve-openai` leaves out (temperature 1, top-p 1).
+    #[arg(long, value_parser = ["greedy", "sample"], conflicts_with = "greedy")]
+    mode: Option<String>,
+    /// Same as --mode greedy.
+    #[arg(long)]
+    greedy: bool,
     /// Most tokens to generate per answer.
     #[arg(long, default_value_t = 256)]
     max_tokens: u32,
-    /// Sampling temperature (sample mode).
-    #[arg(long, default_value_t = 0.8)]
-    temperature: f32,
-    /// Nucleus sampling mass (sample mode); 1 disables.
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
+    /// Sampling temperature (sample mode); default 0.8, as llama.cpp's CLI (1 for serve-openai).
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling mass (sample mode), 1 disables; default 0.95, as llama.cpp's CLI (1
+    /// for serve-openai).
+    #[arg(long)]
+    top_p: Option<f32>,
     /// Sample only among the k most likely tokens (sample mode); 0 disables.
     #[arg(long, default_value_t = 0)]
     top_k: u32,
-    /// Seed of the verifier's sampling RNG (sample mode): same seed, same output.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the verifier's sampling RNG (sample mode): same seed, same output. Without it
+    /// every answer gets a fresh seed.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Do not apply the chat template.
     #[arg(long)]
     raw: bool,
@@ -208,7 +216,7 @@ fn main() -> Result<()> {
                 .map_or("SmolLM2-135M-Instruct".to_string(), |s| {
                     s.to_string_lossy().into_owned()
                 });
-            let setup = setup(&common)?;
+            let setup = setup(&common, DefaultDecoding::OpenAi)?;
             runtime()?.block_on(async move {
                 let client = setup.connect().await?;
                 let listener = tokio::net::TcpListener::bind(listen)
@@ -224,18 +232,39 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// How each command decodes unless told otherwise.
+#[derive(Clone, Copy)]
+enum DefaultDecoding {
+    /// `generate`: reproducible output.
+    Greedy,
+    /// `chat`: sampled at temperature 0.8 and top-p 0.95, llama.cpp's CLI defaults: a small
+    /// model decoded greedily soon repeats itself.
+    Chat,
+    /// `serve-openai`: OpenAI's defaults for what a request leaves out (temperature 1, top-p 1).
+    OpenAi,
+}
+
 /// The library's client options from the command line.
-fn options(a: &CommonArgs) -> Result<ClientOptions> {
-    let decoding = match a.mode.as_str() {
-        "greedy" => Decoding::Greedy,
-        "sample" => Decoding::Sample {
-            temperature: a.temperature,
-            top_p: a.top_p,
-            top_k: a.top_k,
-            seed: a.seed,
-        },
-        m => bail!("--mode {m:?}: use greedy or sample"),
+fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
+    let (temperature, top_p) = match default {
+        DefaultDecoding::OpenAi => (1.0, 1.0),
+        DefaultDecoding::Greedy | DefaultDecoding::Chat => (0.8, 0.95),
     };
+    let sample = Decoding::Sample {
+        temperature: a.temperature.unwrap_or(temperature),
+        top_p: a.top_p.unwrap_or(top_p),
+        top_k: a.top_k,
+        seed: a.seed,
+    };
+    let decoding = match (a.greedy, a.mode.as_deref(), default) {
+        (true, _, _) | (false, Some("greedy"), _) => Decoding::Greedy,
+        (false, Some(_), _) => sample,
+        (false, None, DefaultDecoding::Greedy) => Decoding::Greedy,
+        (false, None, _) => sample,
+    };
+    if matches!(decoding, Decoding::Sample { temperature, .. } if temperature <= 0.0) {
+        bail!("--temperature must be positive when sampling (--greedy decodes greedily)");
+    }
     let verifier = match &a.server {
         Some(server) => VerifierChoice::Remote {
             server: server.clone(),
@@ -266,8 +295,8 @@ fn options(a: &CommonArgs) -> Result<ClientOptions> {
 }
 
 /// Sets up the models and the verifier, saying on stderr what takes time.
-fn setup(a: &CommonArgs) -> Result<ClientSetup> {
-    Ok(ClientSetup::build(&options(a)?, &mut |e| {
+fn setup(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientSetup> {
+    Ok(ClientSetup::build(&options(a, default)?, &mut |e| {
         eprintln!("specinfer: {e}")
     })?)
 }
@@ -314,7 +343,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give --prompt TEXT or --prompt-file FILE.jsonl"),
     };
     let json = args.json || args.prompt_file.is_some();
-    let setup = setup(&args.common)?;
+    let setup = setup(&args.common, DefaultDecoding::Greedy)?;
     runtime()?.block_on(async {
         let mut client = setup.connect().await?;
         for prompt in &prompts {
@@ -323,7 +352,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                 .run(
                     &mut client,
                     &ids,
-                    setup.params.clone(),
+                    setup.request_params(),
                     setup.draft_mode,
                     &mut |t| print_now(t, !json),
                 )
@@ -359,7 +388,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn chat(args: CommonArgs) -> Result<()> {
-    let setup = setup(&args)?;
+    let setup = setup(&args, DefaultDecoding::Chat)?;
     runtime()?.block_on(async {
         let mut client = setup.connect().await?;
         let mut history: Vec<ChatMessage> = Vec::new();
@@ -398,7 +427,7 @@ fn chat(args: CommonArgs) -> Result<()> {
                 );
             }
             let ids = setup.prompt_ids(&history, args.raw)?;
-            match setup.run(&mut client, &ids, setup.params.clone(), setup.draft_mode, &mut |t| print_now(t, true)).await {
+            match setup.run(&mut client, &ids, setup.request_params(), setup.draft_mode, &mut |t| print_now(t, true)).await {
                 Ok(g) => {
                     println!();
                     history.push(ChatMessage::new("assistant", &g.text));

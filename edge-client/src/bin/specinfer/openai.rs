@@ -195,13 +195,13 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Sampling parameters and draft mode of a request, from the server's defaults.
+/// Sampling parameters and draft mode of a request: what it leaves out from the server's
+/// defaults (OpenAI's unless the operator set others), a fresh seed unless it gives one.
 fn request_params(
     setup: &ClientSetup,
     body: &Value,
 ) -> Result<(SamplingParams, DraftMode), String> {
-    let mut params = setup.params.clone();
-    let mut mode = setup.draft_mode;
+    let mut params = setup.request_params();
     if let Some(n) = body
         .get("max_tokens")
         .or_else(|| body.get("max_completion_tokens"))
@@ -222,38 +222,22 @@ fn request_params(
         None => params.top_p,
     };
     let temperature = match body.get("temperature") {
-        Some(t) => Some(
-            t.as_f64()
-                .filter(|&t| (0.0..=2.0).contains(&t))
-                .ok_or("temperature must be in [0, 2]")? as f32,
-        ),
-        None => None,
+        Some(t) => t
+            .as_f64()
+            .filter(|&t| (0.0..=2.0).contains(&t))
+            .ok_or("temperature must be in [0, 2]")? as f32,
+        None => params.temperature,
     };
-    match temperature {
-        Some(0.0) => {
-            params.mode = VerifyMode::Greedy;
-            params.temperature = 0.0;
-            mode = DraftMode::Greedy;
-        }
-        Some(t) => {
-            if setup
-                .trees
-                .as_ref()
-                .is_some_and(|t| t.sample.is_greedy_only())
-            {
-                return Err(
-                    "this server drafts dynamic trees, which are greedy only: use temperature 0"
-                        .into(),
-                );
-            }
-            params.mode = VerifyMode::Stochastic;
-            params.temperature = t;
-            params.top_p = top_p;
-            mode = DraftMode::sampled(t, top_p);
-        }
-        None => params.top_p = top_p,
+    if temperature == 0.0 {
+        params.mode = VerifyMode::Greedy;
+        params.temperature = 0.0;
+        params.top_p = 1.0;
+        return Ok((params, DraftMode::Greedy));
     }
-    Ok((params, mode))
+    params.mode = VerifyMode::Stochastic;
+    params.temperature = temperature;
+    params.top_p = top_p;
+    Ok((params, DraftMode::sampled(temperature, top_p)))
 }
 
 async fn complete(
