@@ -81,7 +81,6 @@ pub struct Session<M: TreeModel = Llama> {
     /// Prompt and everything generated; the last token is the next tree's root and has no K/V yet.
     tokens: Vec<u32>,
     prompt_len: usize,
-    rng: ChaCha8Rng,
     finish: Option<FinishReason>,
 }
 
@@ -103,7 +102,6 @@ impl<M: TreeModel> Session<M> {
             },
         )?;
         Ok(Session {
-            rng: ChaCha8Rng::seed_from_u64(params.seed),
             params,
             cache: model.new_cache()?,
             tokens: prompt.to_vec(),
@@ -226,12 +224,18 @@ impl<M: TreeModel> Session<M> {
 
     fn decide(&mut self, tree: &TokenTree, logits: &specinfer_model::Logits) -> Verdict {
         let p = &self.params;
+        // Each round's uniforms come from the seed and the committed length, not from a stream
+        // the session carries: rounds start at distinct lengths, so their streams are
+        // independent, and a session re-opened elsewhere with its committed tokens (failover)
+        // draws exactly what the first verifier would have, never reusing a uniform.
+        let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
+        rng.set_stream(self.tokens.len() as u64);
         let dist =
             |n: usize| distribution(logits.node(n), p.temperature, p.top_k as usize, p.top_p);
         match p.mode {
             VerifyMode::Greedy => verify_greedy(tree, |n| logits.node(n)),
-            VerifyMode::Stochastic => verify_stochastic(tree, dist, &mut self.rng),
-            VerifyMode::Naive => verify_naive_sampling(tree, dist, &mut self.rng),
+            VerifyMode::Stochastic => verify_stochastic(tree, dist, &mut rng),
+            VerifyMode::Naive => verify_naive_sampling(tree, dist, &mut rng),
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use specinfer_model::{Arch, Llama, ModelConfig, ModelError};
 use specinfer_verifier::{verify_batch, Session, SessionError};
-use specinfer_wire::{Limits, SamplingParams, TokenTree};
+use specinfer_wire::{Limits, SamplingParams, TokenTree, VerifyMode};
 
 #[test]
 fn a_session_at_the_end_of_its_context_does_not_fail_the_batch() {
@@ -36,4 +36,46 @@ fn a_session_at_the_end_of_its_context_does_not_fail_the_batch() {
         .expect("the other session's round must succeed");
     assert!(!ok.tokens.is_empty());
     assert_eq!(fine.generated(), &ok.tokens[..]);
+}
+
+/// A sampled session re-opened elsewhere with its committed tokens (failover) continues with the
+/// draws the first one would have made: each round's randomness is a function of the seed and
+/// the committed length, not of how many rounds this process has run.
+#[test]
+fn a_reopened_sampled_session_continues_the_same_stream() {
+    let model = Llama::random(ModelConfig::tiny(Arch::Llama), 1, None).unwrap();
+    let limits = Limits::default();
+    let params = |max_new: u32| SamplingParams {
+        mode: VerifyMode::Stochastic,
+        temperature: 1.0,
+        seed: 42,
+        ..SamplingParams::greedy(max_new)
+    };
+    let run = |s: &mut Session, rounds: usize| {
+        for _ in 0..rounds {
+            let root = TokenTree::root(s.root());
+            s.verify(&model, &limits, &root).unwrap();
+        }
+    };
+    let prompt = [5u32, 6, 7];
+    let mut whole = Session::open(&model, &prompt, params(24), &limits).unwrap();
+    run(&mut whole, 24);
+    let mut first = Session::open(&model, &prompt, params(24), &limits).unwrap();
+    run(&mut first, 10);
+    let mut reopened = Session::open(&model, first.tokens(), params(14), &limits).unwrap();
+    run(&mut reopened, 14);
+    assert_eq!(reopened.tokens(), whole.tokens());
+    // And the stream is not one sample repeated: other seeds give other answers.
+    let mut other = Session::open(
+        &model,
+        &prompt,
+        SamplingParams {
+            seed: 43,
+            ..params(24)
+        },
+        &limits,
+    )
+    .unwrap();
+    run(&mut other, 24);
+    assert_ne!(other.tokens(), whole.tokens());
 }

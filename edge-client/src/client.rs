@@ -197,7 +197,8 @@ impl Client {
                     Ok(session)
                 }
                 // The verifier's session went elsewhere: re-open with all we have. A sampled
-                // session then continues with a fresh RNG stream (still exact sampling).
+                // session continues the same stream: a round's randomness is a function of the
+                // seed and the committed length.
                 Recovery::Reopen => self.open(id, driver).await,
             },
             // Gone (grace period over, or the verifier restarted).

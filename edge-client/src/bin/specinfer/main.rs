@@ -89,13 +89,12 @@ struct CommonArgs {
     #[arg(long, default_value = "candle", value_parser = ["candle", "onnx"])]
     ssm_backend: String,
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
-    /// "dynamic:N" (best-first growth to N nodes by draft path probability, greedy mode),
+    /// "dynamic:N" (best-first growth to N nodes by draft path probability),
     /// "adaptive:k1,...,km" (the expansion cut to the depth that maximises measured tokens per
     /// second), "adaptive:dynamic:N" (the dynamic tree grown only while its next nodes pay for
     /// themselves), or "none" for incremental decoding through the same path (the baseline).
-    /// "auto": adaptive:dynamic:32 in greedy mode, adaptive:1,1,3,1,1,1,1,1 when sampling
-    /// (dynamic trees pick tokens instead of drawing them, so they cannot be verified by
-    /// speculative sampling).
+    /// "auto": adaptive:dynamic:32 (greedy: the draft's likeliest tokens; sampling: draws from
+    /// the draft without replacement, declared so that verification stays exact).
     #[arg(long, default_value = "auto")]
     tree: String,
     /// greedy (token-identical to the LLM alone) or sample (speculative sampling: distributed
