@@ -76,6 +76,14 @@ pub struct GenerationStats {
     pub verifier_forward_s: f64,
 }
 
+/// How the context lookup's chain is cut.
+enum Lookup {
+    /// To the length measured costs make pay (the clients).
+    Adaptive(AdaptiveLookup),
+    /// Never (measurements of tokens per pass).
+    Uncut(ContextLookup),
+}
+
 /// The round in flight: what the controllers learn from when its verdict comes.
 struct InFlight {
     drafted: DraftedPart,
@@ -103,7 +111,7 @@ pub struct RoundDriver<'a> {
     prompt_len: usize,
     params: SamplingParams,
     drafter: Option<Drafter<'a>>,
-    lookup: Option<AdaptiveLookup>,
+    lookup: Option<Lookup>,
     pipelining: bool,
     max_tree_nodes: usize,
     /// A tree drafted ahead, and the committed tokens it assumed.
@@ -144,7 +152,14 @@ impl<'a> RoundDriver<'a> {
     /// it (root-only trees included: then the lookup is the only draft), cut to the length that
     /// measured acceptance and costs make pay ([`AdaptiveLookup`]).
     pub fn with_lookup(mut self, lookup: Option<ContextLookup>) -> Self {
-        self.lookup = lookup.map(AdaptiveLookup::new);
+        self.lookup = lookup.map(|l| Lookup::Adaptive(AdaptiveLookup::new(l)));
+        self
+    }
+
+    /// The context lookup's chain at its whole length, never cut: what tokens-per-pass
+    /// measurements use beside uncut tree shapes, so that they do not depend on timings.
+    pub fn with_uncut_lookup(mut self, lookup: Option<ContextLookup>) -> Self {
+        self.lookup = lookup.map(Lookup::Uncut);
         self
     }
 
@@ -250,13 +265,14 @@ impl<'a> RoundDriver<'a> {
         // The draft model's part of the tree (its nodes come first) is what the adaptive shapes
         // learn from; the lookup's nodes only add to the verify cost.
         let drafted = DraftedPart::of(&tree);
+        let sampled = self.params.mode == VerifyMode::Stochastic;
         let tree = match &mut self.lookup {
-            Some(lookup) => lookup.extend(
-                tree,
-                &self.committed,
-                self.max_tree_nodes,
-                self.params.mode == VerifyMode::Stochastic,
-            ),
+            Some(Lookup::Adaptive(lookup)) => {
+                lookup.extend(tree, &self.committed, self.max_tree_nodes, sampled)
+            }
+            Some(Lookup::Uncut(lookup)) => {
+                lookup.extend(tree, &self.committed, self.max_tree_nodes, sampled)
+            }
             None => tree,
         };
         let sent_at = clock();
@@ -326,7 +342,7 @@ impl<'a> RoundDriver<'a> {
             forward_ms = forward_s * 1e3,
             "round"
         );
-        if let Some(lookup) = &mut self.lookup {
+        if let Some(Lookup::Adaptive(lookup)) = &mut self.lookup {
             lookup.observe(&v.tokens, sent.tree_nodes, round_s, forward_s);
         }
         if let Some(d) = &mut self.drafter {

@@ -227,7 +227,7 @@ pub fn tau_decoding(
                 .collect(),
         };
         let mut driver =
-            RoundDriver::new(prompt.to_vec(), params, Some(drafter))?.with_lookup(lookup);
+            RoundDriver::new(prompt.to_vec(), params, Some(drafter))?.with_uncut_lookup(lookup);
         run_in_process(llm, &mut driver)?;
         tokens += driver.generated().len();
         rounds += driver.stats().rounds;
