@@ -604,10 +604,10 @@ async fn run_remote(
             .with_lookup(lookup.then(ContextLookup::default));
         let g = client.generate(&mut d, |_| {}).await?;
         run.tokens += g.token_ids.len();
-        run.rounds += g.rounds;
+        run.rounds += g.stats.rounds;
         run.seconds += g.wall.as_secs_f64();
-        run.verifier_seconds += g.verifier_forward.as_secs_f64();
-        run.pipelined_rounds += g.pipelined_rounds;
+        run.verifier_seconds += g.stats.verifier_forward_s;
+        run.pipelined_rounds += g.stats.pipelined_rounds;
     }
     client.shutdown().await;
     Ok(run)
@@ -661,7 +661,7 @@ async fn concurrent(
     for t in tasks {
         let g = t.await??;
         latency += g.wall.as_secs_f64() * 1e3 / g.token_ids.len().max(1) as f64;
-        forward += g.verifier_forward.as_secs_f64();
+        forward += g.stats.verifier_forward_s;
         tokens += g.token_ids.len();
     }
     Ok(Concurrent {
@@ -827,7 +827,7 @@ fn markdown(
         "## 5. Tree-based vs sequence-based decoding (paper tree, {} root-to-leaf paths)\n\nOne tree forward: {:.1} ms; one forward per path: {:.1} ms; speed-up {:.2}x.\n\n",
         tvs.2, tvs.0, tvs.1, tvs.1 / tvs.0
     );
-    s += &format!("## 6. Edge/cloud: round-trip time\n\nThe round trip is added by the client on top of each round's verification. \"speculative\": the paper's tree cut to the depth that pays (`{}`); \"+ lookup\": the context lookup's chain added to every tree; \"default tree + lookup\": what `specinfer` runs in greedy mode (`{}`, a dynamic tree grown while its nodes pay, plus the chain); \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | default tree + lookup | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|---|\n", TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec()), TreeShape::clients_default());
+    s += &format!("## 6. Edge/cloud: round-trip time\n\nThe round trip is added by the client on top of each round's verification; client and verifier share this machine's cores (no taskset), and the incremental baseline pays the round trip on every token, which a server-only deployment streaming its own decoding would not. \"speculative\": the paper's tree cut to the depth that pays (`{}`); \"+ lookup\": the context lookup's chain added to every tree; \"default tree + lookup\": what `specinfer` runs in greedy mode (`{}`, a dynamic tree grown while its nodes pay, plus the chain); \"lookup alone\": root-only trees plus the chain. Tokens/s (tokens per round).\n\n| RTT ms | default tree + lookup | speculative | pipelined (hit rate) | speculative + lookup | lookup alone | incremental | speculative verifier s/token | incremental verifier s/token |\n|---|---|---|---|---|---|---|---|---|\n", TreeShape::Adaptive(Speculator::PAPER_EXPANSION.to_vec()), TreeShape::clients_default());
     for r in rtt {
         s += &format!(
             "| {} | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} ({:.0}%) | {:.1} ({:.2}) | {:.1} ({:.2}) | {:.1} | {:.4} | {:.4} |\n",

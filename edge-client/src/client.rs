@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use specinfer_model::ModelError;
-use specinfer_speculator::{Recovery, RoundDriver, RoundError, RoundOutput};
+use specinfer_speculator::{GenerationStats, Recovery, RoundDriver, RoundError, RoundOutput};
 use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, Verified};
 
 use specinfer_net::{Remote, RemoteConfig, RemoteError, RemoteSession};
@@ -18,22 +18,13 @@ pub enum ClientError {
     Remote(#[from] RemoteError),
     #[error("draft model: {0}")]
     Draft(ModelError),
-    #[error("{0}")]
-    Round(String),
+    #[error(transparent)]
+    Round(#[from] RoundError),
 }
 
 impl From<ModelError> for ClientError {
     fn from(e: ModelError) -> Self {
         ClientError::Draft(e)
-    }
-}
-
-impl From<RoundError> for ClientError {
-    fn from(e: RoundError) -> Self {
-        match e {
-            RoundError::Draft(e) => ClientError::Draft(e),
-            RoundError::Protocol(p) => ClientError::Round(p),
-        }
     }
 }
 
@@ -44,22 +35,16 @@ pub struct Generation {
     /// The generated text (end-of-turn tokens left out; empty when the driver had no
     /// tokenizer).
     pub text: String,
-    pub rounds: usize,
-    /// Tokens emitted by each round (tau per round).
-    pub accepted_per_round: Vec<usize>,
     pub finish: Option<FinishReason>,
+    /// The driver's counts: rounds, tokens per round, verifier forward time, pipelined rounds,
+    /// tokens only the lookup proposed.
+    pub stats: GenerationStats,
     pub wall: Duration,
     /// Time from the request to the first round's answer.
     pub ttft: Duration,
     pub bytes_up: usize,
     pub bytes_down: usize,
-    /// Verifier-side forward time summed over rounds.
-    pub verifier_forward: Duration,
     pub reconnects: usize,
-    /// Rounds whose tree was drafted ahead, while the previous round was being verified.
-    pub pipelined_rounds: usize,
-    /// Accepted tokens that only the context lookup's chain proposed.
-    pub lookup_accepted: usize,
 }
 
 /// A verifier connection that reconnects on demand.
@@ -155,15 +140,10 @@ impl Client {
         g.bytes_down += session.bytes_down;
         let _ = session.close().await;
         g.wall = start.elapsed();
-        let stats = driver.stats();
         g.token_ids = driver.generated().to_vec();
         g.text = driver.text()?;
-        g.rounds = stats.rounds;
-        g.accepted_per_round = stats.accepted_per_round.clone();
         g.finish = driver.finish();
-        g.verifier_forward = Duration::from_secs_f64(stats.verifier_forward_s);
-        g.pipelined_rounds = stats.pipelined_rounds;
-        g.lookup_accepted = stats.lookup_accepted;
+        g.stats = driver.stats().clone();
         Ok(g)
     }
 

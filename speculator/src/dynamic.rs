@@ -147,11 +147,11 @@ impl Frontier for LikeliestTokens {
 /// made and never dropped after), and never the LLM, whose randomness is the verifier's own.
 /// Below an accepted child the same holds for its subtree, whatever its shape.
 pub(crate) struct DrawnTokens<'r> {
-    pub(crate) temperature: f32,
-    pub(crate) top_p: f32,
-    pub(crate) top_k: usize,
-    pub(crate) draw: DrawMode,
-    pub(crate) rng: &'r mut ChaCha8Rng,
+    temperature: f32,
+    top_p: f32,
+    top_k: usize,
+    draw: DrawMode,
+    rng: &'r mut ChaCha8Rng,
     open: Vec<OpenNode>,
     dists: Vec<SparseDist>,
     drawn_from: Vec<u32>,

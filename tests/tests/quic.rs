@@ -56,7 +56,7 @@ async fn greedy_output_over_quic_equals_incremental_for_every_tree_shape() {
         let reference = generate(&remote, &ids, params.clone(), None).await;
         assert_eq!(reference.token_ids.len(), 40);
         assert_eq!(
-            reference.rounds, 40,
+            reference.stats.rounds, 40,
             "incremental decoding emits one token per round"
         );
         for expansion in [
@@ -75,11 +75,14 @@ async fn greedy_output_over_quic_equals_incremental_for_every_tree_shape() {
                 g.token_ids, reference.token_ids,
                 "tree {expansion:?} changed the output of {prompt:?}"
             );
-            assert!(g.rounds < 40, "tree {expansion:?} never accepted a draft");
+            assert!(
+                g.stats.rounds < 40,
+                "tree {expansion:?} never accepted a draft"
+            );
             println!(
                 "{prompt:?} tree {expansion:?}: {} rounds, tau {:.2}, {} B up, {} B down",
-                g.rounds,
-                40.0 / g.rounds as f64,
+                g.stats.rounds,
+                40.0 / g.stats.rounds as f64,
                 g.bytes_up,
                 g.bytes_down
             );
@@ -115,7 +118,7 @@ async fn seeded_sampling_over_quic_is_reproducible() {
         a.token_ids, c.token_ids,
         "different seeds gave the same 32 sampled tokens"
     );
-    println!("sampled: tau {:.2}", 32.0 / a.rounds as f64);
+    println!("sampled: tau {:.2}", 32.0 / a.stats.rounds as f64);
     server.shutdown().await;
 }
 
@@ -152,7 +155,7 @@ async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() 
         for (what, g) in [("lookup alone", &alone), ("lookup and tree", &with_tree)] {
             println!(
                 "{:?} {what}: {} rounds, {} tokens from the lookup",
-                params.mode, g.rounds, g.lookup_accepted
+                params.mode, g.stats.rounds, g.stats.lookup_accepted
             );
             assert_eq!(g.token_ids.len(), 48);
             if params.mode == VerifyMode::Greedy {
@@ -163,7 +166,7 @@ async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() 
             }
         }
         assert!(
-            alone.lookup_accepted > 0 && alone.rounds < 48,
+            alone.stats.lookup_accepted > 0 && alone.stats.rounds < 48,
             "{:?}: the lookup alone never got a token accepted on an answer that repeats a sentence",
             params.mode
         );
@@ -578,7 +581,7 @@ async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
         streamed, reference,
         "text was lost or repeated in the stream"
     );
-    assert!(g.pipelined_rounds > 0, "no round was drafted ahead");
+    assert!(g.stats.pipelined_rounds > 0, "no round was drafted ahead");
     client.shutdown().await;
     server.shutdown().await;
 }

@@ -156,6 +156,10 @@ impl BrowserClient {
             .tokenizer
             .chat_prompt(&[ChatMessage::new("user", user_message)]);
         let prompt = self.tokenizer.encode(&text)?;
+        // Refused before the drafter moves into a driver, which would then keep it.
+        if prompt.is_empty() {
+            return Err(BrowserError::Protocol("empty prompt".into()));
+        }
         let greedy = SamplingParams {
             stop_ids: self.tokenizer.eos().to_vec(),
             ..SamplingParams::greedy(max_tokens)

@@ -306,9 +306,9 @@ fn summary(g: &Generation) -> String {
         g.token_ids.len(),
         g.wall.as_secs_f64(),
         g.token_ids.len() as f64 / g.wall.as_secs_f64(),
-        g.rounds,
-        g.token_ids.len() as f64 / g.rounds.max(1) as f64,
-        g.lookup_accepted,
+        g.stats.rounds,
+        g.token_ids.len() as f64 / g.stats.rounds.max(1) as f64,
+        g.stats.lookup_accepted,
         g.ttft.as_secs_f64() * 1e3
     )
 }
@@ -364,17 +364,17 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     prompt,
                     text: &g.text,
                     token_ids: &g.token_ids,
-                    rounds: g.rounds,
-                    accepted_per_round: &g.accepted_per_round,
-                    tau: g.token_ids.len() as f64 / g.rounds.max(1) as f64,
+                    rounds: g.stats.rounds,
+                    accepted_per_round: &g.stats.accepted_per_round,
+                    tau: g.token_ids.len() as f64 / g.stats.rounds.max(1) as f64,
                     wall_ms: g.wall.as_secs_f64() * 1e3,
                     ttft_ms: g.ttft.as_secs_f64() * 1e3,
                     tokens_per_s: g.token_ids.len() as f64 / g.wall.as_secs_f64(),
                     bytes_up: g.bytes_up,
                     bytes_down: g.bytes_down,
-                    verifier_forward_ms: g.verifier_forward.as_secs_f64() * 1e3,
+                    verifier_forward_ms: g.stats.verifier_forward_s * 1e3,
                     reconnects: g.reconnects,
-                    lookup_accepted: g.lookup_accepted,
+                    lookup_accepted: g.stats.lookup_accepted,
                 };
                 println!("{}", serde_json::to_string(&report)?);
             } else {
