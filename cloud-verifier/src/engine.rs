@@ -5,6 +5,14 @@
 //!
 //! The network side talks to it through a bounded channel and gets answers on oneshot channels;
 //! a full channel or session table is answered with "busy", never queued without bound.
+//!
+//! A session may also ask the engine to decode it to its end on its own ([`EngineHandle::generate`]):
+//! server-only generation as a cloud API runs it, plain or speculating with the verifier's own
+//! draft model. Its rounds join the same FIFO and batches as the clients' trees, and stream out.
+//!
+//! Every round's stats carry the price of a tree node (the fitted marginal forward cost per node
+//! times the sessions sharing the forward) and, when rounds wait for a place in a forward, a node
+//! cap, so load-aware clients shrink their trees under load and grow them with idle capacity.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -13,8 +21,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use specinfer_model::TreeModel;
-use specinfer_wire::{ErrorCode, Limits, RoundStats, SamplingParams, TokenTree};
-use tokio::sync::oneshot;
+use specinfer_speculator::{
+    AffineFit, CachedDraft, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeScorer,
+    TreeShape,
+};
+use specinfer_wire::{
+    ErrorCode, Limits, RoundStats, SamplingParams, ServerDrafting, TokenTree, VerifyMode,
+};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
 use crate::session::{run_batch, Done, Work};
@@ -91,6 +105,14 @@ pub struct Round {
     pub stats: RoundStats,
 }
 
+/// The draft model a verifier drafts with itself for sessions that ask it to (co-located,
+/// server-side speculation). It lives as long as the process.
+pub type ServerDraft = &'static dyn TreeScorer;
+
+/// The rounds of a session the engine decodes on its own, as they complete. Unbounded, but
+/// bounded in fact: a session's rounds each commit at least one of its `max_new_tokens`.
+pub type RoundStream = mpsc::UnboundedReceiver<Result<Round, EngineError>>;
+
 enum Request {
     Open {
         prompt: Vec<u32>,
@@ -106,6 +128,11 @@ enum Request {
         tree: TokenTree,
         enqueued: Instant,
         reply: oneshot::Sender<Result<Round, EngineError>>,
+    },
+    Generate {
+        id: SessionId,
+        drafting: ServerDrafting,
+        rounds: mpsc::UnboundedSender<Result<Round, EngineError>>,
     },
     Detach {
         id: SessionId,
@@ -170,6 +197,23 @@ impl EngineHandle {
         .await
     }
 
+    /// Decodes the open session to its end on the engine's own, streaming each round; the
+    /// stream's first item is the error when the session cannot be driven. Dropping the stream
+    /// stops the decoding at the next round.
+    pub fn generate(
+        &self,
+        id: SessionId,
+        drafting: ServerDrafting,
+    ) -> Result<RoundStream, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.send(Request::Generate {
+            id,
+            drafting,
+            rounds: tx,
+        })?;
+        Ok(rx)
+    }
+
     /// The session's stream vanished: keep it for the grace period.
     pub fn detach(&self, id: SessionId) {
         // A full queue drops the notice; the idle timeout reclaims the session instead.
@@ -193,6 +237,17 @@ struct Entry<M: TreeModel> {
     detached_at: Option<Instant>,
     /// While the prompt is being prefilled: who waits for the session, and since when.
     opening: Option<(oneshot::Sender<Result<Opened, EngineError>>, Instant)>,
+    /// When the engine decodes the session on its own.
+    driving: Option<Driving>,
+}
+
+/// A session the engine decodes on its own: the same round driver the clients run drafts its
+/// trees (root-only ones for plain decoding).
+struct Driving {
+    driver: RoundDriver<'static>,
+    rounds: mpsc::UnboundedSender<Result<Round, EngineError>>,
+    /// Whether its next round is in the queue.
+    queued: bool,
 }
 
 /// Prompt tokens the oldest opening session prefills per iteration even when verification
@@ -209,7 +264,15 @@ struct PendingVerify {
     id: SessionId,
     tree: TokenTree,
     enqueued: Instant,
-    reply: oneshot::Sender<Result<Round, EngineError>>,
+    reply: Reply,
+}
+
+/// Where a round's answer goes.
+enum Reply {
+    /// To the client that sent the tree.
+    Caller(oneshot::Sender<Result<Round, EngineError>>),
+    /// To the session's own driver, then out on its round stream.
+    Driven,
 }
 
 /// Starts the engine thread. It ends after `shutdown`, or when every handle is dropped.
@@ -217,6 +280,7 @@ pub fn spawn<M: TreeModel + 'static>(
     model: Arc<M>,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
+    server_draft: Option<ServerDraft>,
 ) -> (EngineHandle, std::thread::JoinHandle<()>) {
     let (tx, rx) = sync_channel(cfg.queue_depth);
     let thread = std::thread::Builder::new()
@@ -230,6 +294,9 @@ pub fn spawn<M: TreeModel + 'static>(
                 pending: VecDeque::new(),
                 next_id: 1,
                 seed: seed(),
+                server_draft,
+                forward_cost: AffineFit::default(),
+                epoch: Instant::now(),
             }
             .run(rx)
         })
@@ -257,13 +324,18 @@ struct Engine<M: TreeModel> {
     next_id: SessionId,
     /// Keys resume tokens (unguessable per process).
     seed: u64,
+    server_draft: Option<ServerDraft>,
+    /// Forward seconds against nodes per forward: what one more node costs.
+    forward_cost: AffineFit,
+    /// The origin of the drivers' clock.
+    epoch: Instant,
 }
 
 impl<M: TreeModel> Engine<M> {
     fn run(mut self, rx: Receiver<Request>) {
         let mut stopping = false;
         loop {
-            if self.pending.is_empty() && !self.prefilling() {
+            if self.pending.is_empty() && !self.prefilling() && !self.driving() {
                 if stopping {
                     break;
                 }
@@ -324,18 +396,32 @@ impl<M: TreeModel> Engine<M> {
                 enqueued,
                 reply,
             } => {
-                if self.sessions.contains_key(&id) {
+                if self.sessions.get(&id).is_some_and(|e| e.driving.is_some()) {
+                    let _ = reply.send(Err(EngineError::new(
+                        ErrorCode::OutOfOrder,
+                        format!("session {id} is being generated by the verifier"),
+                    )));
+                } else if self.sessions.contains_key(&id) {
                     self.pending.push_back(PendingVerify {
                         id,
                         tree,
                         enqueued,
-                        reply,
+                        reply: Reply::Caller(reply),
                     });
                 } else {
                     let _ = reply.send(Err(EngineError::new(
                         ErrorCode::UnknownSession,
                         format!("session {id} is not open"),
                     )));
+                }
+            }
+            Request::Generate {
+                id,
+                drafting,
+                rounds,
+            } => {
+                if let Err(e) = self.start_driving(id, drafting, rounds.clone()) {
+                    let _ = rounds.send(Err(e));
                 }
             }
             Request::Detach { id } => {
@@ -355,6 +441,118 @@ impl<M: TreeModel> Engine<M> {
 
     fn prefilling(&self) -> bool {
         self.sessions.values().any(|e| e.opening.is_some())
+    }
+
+    fn driving(&self) -> bool {
+        self.sessions.values().any(|e| e.driving.is_some())
+    }
+
+    fn start_driving(
+        &mut self,
+        id: SessionId,
+        drafting: ServerDrafting,
+        rounds: mpsc::UnboundedSender<Result<Round, EngineError>>,
+    ) -> Result<(), EngineError> {
+        let in_flight = self.pending.iter().any(|p| p.id == id);
+        let e = self.sessions.get_mut(&id).ok_or_else(|| {
+            EngineError::new(
+                ErrorCode::UnknownSession,
+                format!("session {id} is not open"),
+            )
+        })?;
+        if e.driving.is_some() || in_flight || e.opening.is_some() {
+            return Err(EngineError::new(
+                ErrorCode::OutOfOrder,
+                "the session is still opening, or has a round in flight",
+            ));
+        }
+        let params = e.session.params().clone();
+        let drafter = match drafting {
+            ServerDrafting::Plain => None,
+            ServerDrafting::Speculative => {
+                let ssm = self.server_draft.ok_or_else(|| {
+                    EngineError::new(
+                        ErrorCode::Unsupported,
+                        "this verifier has no draft model of its own (start it with --ssm)",
+                    )
+                })?;
+                let mode = match params.mode {
+                    VerifyMode::Greedy => DraftMode::Greedy,
+                    _ => DraftMode::sampled(params.temperature, params.top_p),
+                };
+                Some(Drafter {
+                    speculator: Speculator::for_request(
+                        TreeShape::clients_default(),
+                        mode,
+                        params.seed,
+                    ),
+                    drafts: vec![Box::new(CachedDraft::new(ssm)) as Box<dyn DraftModel + Send>],
+                })
+            }
+        };
+        let mut driver = RoundDriver::new(e.session.tokens().to_vec(), params, drafter)
+            .map_err(|err| EngineError::new(ErrorCode::Internal, err.to_string()))?;
+        driver.set_limits(&self.cfg.limits);
+        e.driving = Some(Driving {
+            driver,
+            rounds,
+            queued: false,
+        });
+        Ok(())
+    }
+
+    /// Drafts the next round of every session the engine decodes on its own that has none
+    /// queued (on this thread: co-located drafting costs the verifier's time, as it should).
+    fn queue_driven_rounds(&mut self) {
+        let epoch = self.epoch;
+        let clock = move || epoch.elapsed().as_secs_f64();
+        for (&id, e) in self.sessions.iter_mut() {
+            let Some(d) = &mut e.driving else { continue };
+            if d.queued {
+                continue;
+            }
+            match d.driver.draft(&clock) {
+                Ok(tree) => {
+                    d.queued = true;
+                    self.pending.push_back(PendingVerify {
+                        id,
+                        tree,
+                        enqueued: Instant::now(),
+                        reply: Reply::Driven,
+                    });
+                }
+                Err(err) => {
+                    let _ = d
+                        .rounds
+                        .send(Err(EngineError::new(ErrorCode::Internal, err.to_string())));
+                    e.driving = None;
+                }
+            }
+        }
+    }
+
+    /// Hands a driven session's round to its driver and out on its stream; stops driving at
+    /// the end, on an error, or when nobody reads the stream any more.
+    fn driven_round(&self, e: &mut Entry<M>, result: Result<Round, EngineError>) {
+        let Some(d) = &mut e.driving else { return };
+        d.queued = false;
+        let go_on = match &result {
+            Ok(r) => {
+                let v = r.outcome.clone().into_verified(0, 0, r.stats.clone());
+                match d.driver.on_verified(&v, self.epoch.elapsed().as_secs_f64()) {
+                    Ok(_) => !d.driver.is_finished(),
+                    Err(err) => {
+                        tracing::warn!(%err, "a driven session's round");
+                        false
+                    }
+                }
+            }
+            Err(_) => false,
+        };
+        let delivered = d.rounds.send(result).is_ok();
+        if !go_on || !delivered {
+            e.driving = None;
+        }
     }
 
     fn open(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SessionId, EngineError> {
@@ -406,6 +604,7 @@ impl<M: TreeModel> Engine<M> {
                 last_used: Instant::now(),
                 detached_at: None,
                 opening: None,
+                driving: None,
             },
         );
         self.metrics.sessions_opened.fetch_add(1, Ordering::Relaxed);
@@ -438,6 +637,7 @@ impl<M: TreeModel> Engine<M> {
     /// under the node budget), then prompt prefill chunks with what the budget leaves, all in ONE
     /// batched forward.
     fn iteration(&mut self) {
+        self.queue_driven_rounds();
         let mut jobs: Vec<(SessionId, Job)> = Vec::new();
         let mut nodes = 0;
         let mut deferred = VecDeque::new();
@@ -449,15 +649,28 @@ impl<M: TreeModel> Engine<M> {
                 continue;
             }
             if !self.sessions.contains_key(&p.id) {
-                let _ = p.reply.send(Err(EngineError::new(
-                    ErrorCode::UnknownSession,
-                    "session closed",
-                )));
+                if let Reply::Caller(reply) = p.reply {
+                    let _ = reply.send(Err(EngineError::new(
+                        ErrorCode::UnknownSession,
+                        "session closed",
+                    )));
+                }
                 continue;
             }
             nodes += p.tree.len();
             jobs.push((p.id, Job::Verify(p)));
         }
+        // Busy: rounds wait for a place. Trees are capped at an equal share of a forward.
+        let node_cap = if deferred.is_empty() {
+            0
+        } else {
+            let waiting: std::collections::HashSet<SessionId> = jobs
+                .iter()
+                .map(|(id, _)| *id)
+                .chain(deferred.iter().map(|p| p.id))
+                .collect();
+            (self.cfg.batch_node_budget / waiting.len().max(1)).max(1) as u32
+        };
         // Deferred requests keep their place at the front: FIFO, so nobody starves.
         self.pending = deferred;
         let mut opening: Vec<(SessionId, usize)> = self
@@ -505,6 +718,17 @@ impl<M: TreeModel> Engine<M> {
             .iter()
             .filter(|(_, j)| matches!(j, Job::Verify(_)))
             .count() as u32;
+        let forward_nodes: usize = jobs
+            .iter()
+            .map(|(_, j)| match j {
+                Job::Verify(p) => p.tree.len(),
+                Job::Prefill(n) => *n,
+            })
+            .sum();
+        self.forward_cost
+            .observe(forward_nodes as f64, forward.as_secs_f64());
+        let (_, per_node) = self.forward_cost.line();
+        let node_price_ns = (per_node * rounds as f64 * 1e9).min(u32::MAX as f64) as u32;
         self.metrics.batch_size.observe(jobs.len() as f64);
         self.metrics.forward_seconds.observe(forward.as_secs_f64());
         self.metrics.batches.fetch_add(1, Ordering::Relaxed);
@@ -523,6 +747,8 @@ impl<M: TreeModel> Engine<M> {
                                 batch_size: rounds,
                                 queue_us: queue.as_micros().min(u32::MAX as u128) as u32,
                                 forward_us: forward.as_micros().min(u32::MAX as u128) as u32,
+                                node_price_ns,
+                                node_cap,
                             };
                             Ok(Round { outcome, stats })
                         }
@@ -540,7 +766,12 @@ impl<M: TreeModel> Engine<M> {
                             Err(EngineError::new(code, e.to_string()))
                         }
                     };
-                    let _ = p.reply.send(reply);
+                    match p.reply {
+                        Reply::Caller(tx) => {
+                            let _ = tx.send(reply);
+                        }
+                        Reply::Driven => self.driven_round(&mut e, reply),
+                    }
                     self.sessions.insert(id, e);
                 }
                 Job::Prefill(_) => match result {

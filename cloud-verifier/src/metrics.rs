@@ -77,7 +77,7 @@ const SECONDS: &[f64] = &[
 ];
 const COUNTS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
 const MAX_DEPTH: usize = 32;
-const ERROR_CODES: [ErrorCode; 10] = [
+const ERROR_CODES: [ErrorCode; 11] = [
     ErrorCode::BadFrame,
     ErrorCode::UnsupportedVersion,
     ErrorCode::Unauthorized,
@@ -87,6 +87,7 @@ const ERROR_CODES: [ErrorCode; 10] = [
     ErrorCode::Busy,
     ErrorCode::LimitExceeded,
     ErrorCode::OutOfOrder,
+    ErrorCode::Unsupported,
     ErrorCode::Internal,
 ];
 

@@ -34,6 +34,9 @@ pub struct ServiceConfig {
     pub fingerprint: ModelFingerprint,
     /// How long a new connection may take to say hello.
     pub hello_timeout: Duration,
+    /// The verifier's own draft model, for sessions that ask it to generate speculatively
+    /// (`Generate` with `ServerDrafting::Speculative`); without one they are refused.
+    pub server_draft: Option<engine::ServerDraft>,
 }
 
 struct Ctx {
@@ -135,7 +138,8 @@ pub fn start<M: TreeModel + 'static>(
 ) -> Result<RunningVerifier, NetError> {
     let endpoint = quinn::Endpoint::server(identity.quinn_config()?, listen)?;
     let metrics = Arc::new(Metrics::default());
-    let (engine, engine_thread) = engine::spawn(model, cfg.engine.clone(), metrics.clone());
+    let (engine, engine_thread) =
+        engine::spawn(model, cfg.engine.clone(), metrics.clone(), cfg.server_draft);
     if cfg.api_keys.is_none() {
         tracing::warn!("serving WITHOUT authentication (--insecure-no-auth): anyone who can reach this port may use it");
     }
@@ -470,6 +474,15 @@ where
                     }
                 }
             }
+            Message::Generate { session, drafting }
+                if bound.as_ref().is_some_and(|b| b.client_id == session) =>
+            {
+                let b = bound.as_mut().expect("checked by the guard");
+                match stream_generation(&mut send, ctx, b, drafting).await {
+                    Ok(()) => continue,
+                    Err(_) => break false,
+                }
+            }
             Message::Close { session } => {
                 // Acknowledged, so the client knows the memory is freed before it goes.
                 let _ = ctx.send(&mut send, &Message::Close { session }).await;
@@ -501,6 +514,34 @@ where
         }
     }
     let _ = send.shutdown().await;
+}
+
+/// Streams the rounds of a session the engine decodes on its own, one `Verified` each, until it
+/// finishes or fails. The client's frames are not read meanwhile: a client that wants to stop
+/// closes the stream, the next round's send fails, and dropping the round stream stops the
+/// engine's decoding. Errs only when the stream is gone.
+async fn stream_generation<W: AsyncWrite + Unpin>(
+    send: &mut W,
+    ctx: &Ctx,
+    b: &mut Bound,
+    drafting: specinfer_wire::ServerDrafting,
+) -> Result<(), NetError> {
+    let mut rounds = match ctx.engine.generate(b.id, drafting) {
+        Ok(rounds) => rounds,
+        Err(e) => return ctx.send(send, &engine_error(e, b.client_id)).await,
+    };
+    while let Some(round) = rounds.recv().await {
+        let msg = match round {
+            Ok(r) => {
+                let v = r.outcome.into_verified(b.client_id, b.next_round, r.stats);
+                b.next_round += 1;
+                Message::Verified(v)
+            }
+            Err(e) => engine_error(e, b.client_id),
+        };
+        ctx.send(send, &msg).await?;
+    }
+    Ok(())
 }
 
 /// Serves the metrics in Prometheus text format over plain HTTP (`GET /metrics`).

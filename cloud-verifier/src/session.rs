@@ -144,6 +144,10 @@ impl<M: TreeModel> Session<M> {
         &self.tokens
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }

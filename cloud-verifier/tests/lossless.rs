@@ -567,6 +567,7 @@ mod end_to_end {
                     batch_size: 1,
                     queue_us: 0,
                     forward_us: 500 + 20 * v.tree.len() as u32,
+                    ..RoundStats::default()
                 };
                 let Message::Verified(verdict) =
                     through_the_wire(Message::Verified(outcome.into_verified(1, round, stats)))

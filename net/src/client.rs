@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::{client_config, read_frame, write_frame, NetError, Trust};
 use specinfer_wire::{
     ClientHello, ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, OpenSession,
-    SamplingParams, ServerHello, TokenTree, Verified, Verify, PROTOCOL_VERSION,
+    SamplingParams, ServerDrafting, ServerHello, TokenTree, Verified, Verify, PROTOCOL_VERSION,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -242,6 +242,17 @@ impl RemoteSession {
             round: self.round,
             tree,
         });
+        self.bytes_up += write_frame(&mut self.send, &msg).await?;
+        Ok(())
+    }
+
+    /// Asks the verifier to decode the session to its end on its own (server-only generation);
+    /// each of its rounds then comes from [`RemoteSession::verdict`], until one finishes.
+    pub async fn generate(&mut self, drafting: ServerDrafting) -> Result<(), RemoteError> {
+        let msg = Message::Generate {
+            session: self.session,
+            drafting,
+        };
         self.bytes_up += write_frame(&mut self.send, &msg).await?;
         Ok(())
     }

@@ -1,14 +1,17 @@
 //! specinfer's network layer, shared by the verifier and every native client: frames over
 //! streams (QUIC, or WebTransport for browsers) in [`frames`], TLS (certificate pinning, CA
 //! roots, self-signed identities) in [`tls`], and the client's connection to a verifier in
-//! [`client`]. The protocol itself (messages, validation) is `specinfer-wire`'s, sans-I/O.
+//! [`client`]; a UDP relay that adds a wide-area path's delay, jitter and loss in [`relay`]
+//! (benchmarks and fault tests). The protocol itself (messages, validation) is `specinfer-wire`'s, sans-I/O.
 
 pub mod client;
 pub mod frames;
+pub mod relay;
 pub mod tls;
 
 pub use client::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use frames::{read_frame, write_frame};
+pub use relay::{RelayConfig, UdpRelay};
 pub use tls::{cert_fingerprint, client_config, ServerIdentity, Trust};
 
 use specinfer_wire::DecodeError;

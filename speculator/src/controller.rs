@@ -88,6 +88,8 @@ pub struct DepthController {
     rounds: usize,
     /// Rounds at depth 0 since the last one that speculated.
     plain_streak: usize,
+    /// The verifier's price of a tree node (seconds; see [`DepthController::set_node_price`]).
+    node_price: f64,
 }
 
 /// At depth 0, one round in this many speculates (see [`DepthController`]).
@@ -107,7 +109,17 @@ impl DepthController {
             fixed: 0.0,
             rounds: 0,
             plain_streak: 0,
+            node_price: 0.0,
         }
+    }
+
+    /// What one more tree node costs the verifier's users now, as the verifier last said
+    /// (seconds): the cost per node weighed is never below it. A verifier under load prices
+    /// nodes at its marginal forward cost times the sessions sharing its forwards, so trees
+    /// shrink towards the root alone; idle, it prices them at its marginal cost and they grow
+    /// while they pay.
+    pub fn set_node_price(&mut self, seconds: f64) {
+        self.node_price = seconds.max(0.0);
     }
 
     /// Expected forward seconds for a tree of `nodes` nodes: the affine fit, or (while every
@@ -119,7 +131,8 @@ impl DepthController {
 
     /// `(intercept, slope)` of [`DepthController::verify_seconds`].
     fn verify_fit(&self) -> (f64, f64) {
-        self.verify_cost.line()
+        let (intercept, slope) = self.verify_cost.line();
+        (intercept, slope.max(self.node_price))
     }
 
     /// The costs a growing dynamic tree weighs, with `calibration` accepted tokens per unit of
@@ -240,7 +253,7 @@ impl DepthController {
 /// A line fitted by least squares to points whose weights decay with age: tracks a cost that
 /// drifts (a verifier getting busier) without forgetting the tree sizes seen long ago.
 #[derive(Clone, Copy, Debug, Default)]
-struct AffineFit {
+pub struct AffineFit {
     weight: f64,
     sum_x: f64,
     sum_y: f64,
@@ -252,7 +265,7 @@ impl AffineFit {
     /// Each round's weight decays by this per round (halved in about 14 rounds).
     const DECAY: f64 = 0.95;
 
-    fn observe(&mut self, x: f64, y: f64) {
+    pub fn observe(&mut self, x: f64, y: f64) {
         let d = Self::DECAY;
         self.weight = d * self.weight + 1.0;
         self.sum_x = d * self.sum_x + x;
@@ -263,7 +276,7 @@ impl AffineFit {
 
     /// `(intercept, slope)`, neither negative; while every point had one x (one tree size), a
     /// line through the origin.
-    fn line(&self) -> (f64, f64) {
+    pub fn line(&self) -> (f64, f64) {
         let w = self.weight;
         if w <= 0.0 {
             return (0.0, 0.0);

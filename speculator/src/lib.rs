@@ -13,7 +13,7 @@ mod select;
 pub mod shape;
 pub mod speculator;
 
-pub use controller::{DepthController, DraftedPart, RoundObservation, PLAIN_EXPLORE};
+pub use controller::{AffineFit, DepthController, DraftedPart, RoundObservation, PLAIN_EXPLORE};
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use merge::merge_trees;

@@ -162,6 +162,12 @@ impl AdaptiveLookup {
         add_chain(tree, chain, max_nodes, sampled)
     }
 
+    /// The verifier's price of a tree node, in seconds (see
+    /// [`DepthController::set_node_price`]).
+    pub fn set_node_price(&mut self, seconds: f64) {
+        self.depth.set_node_price(seconds);
+    }
+
     /// What came of the tree [`AdaptiveLookup::extend`] returned last: the tokens the round
     /// committed (accepted drafts, then the LLM's own), and the round's measured costs
     /// (`tree_nodes` and the times as in [`RoundObservation`]).

@@ -114,6 +114,8 @@ pub struct RoundDriver<'a> {
     lookup: Option<Lookup>,
     pipelining: bool,
     max_tree_nodes: usize,
+    /// The node cap of the verifier's last verdict (it is busy), if any.
+    node_cap: Option<usize>,
     /// A tree drafted ahead, and the committed tokens it assumed.
     ahead: Option<(Vec<u32>, TokenTree)>,
     in_flight: Option<InFlight>,
@@ -140,6 +142,7 @@ impl<'a> RoundDriver<'a> {
             lookup: None,
             pipelining: false,
             max_tree_nodes: Limits::default().max_tree_nodes as usize,
+            node_cap: None,
             ahead: None,
             in_flight: None,
             finish: None,
@@ -262,17 +265,22 @@ impl<'a> RoundDriver<'a> {
             }
             (_, Some(d)) => d.speculator.draft_merged(&mut d.drafts, &self.committed)?,
         };
+        // A busy verifier's cap binds the whole tree; the draft's likeliest nodes come first
+        // (BFS from the root, best-first within dynamic trees), so they are what stays.
+        let max_nodes = self
+            .node_cap
+            .map_or(self.max_tree_nodes, |cap| cap.min(self.max_tree_nodes));
+        let mut tree = tree;
+        tree.truncate(max_nodes);
         // The draft model's part of the tree (its nodes come first) is what the adaptive shapes
         // learn from; the lookup's nodes only add to the verify cost.
         let drafted = DraftedPart::of(&tree);
         let sampled = self.params.mode == VerifyMode::Stochastic;
         let tree = match &mut self.lookup {
             Some(Lookup::Adaptive(lookup)) => {
-                lookup.extend(tree, &self.committed, self.max_tree_nodes, sampled)
+                lookup.extend(tree, &self.committed, max_nodes, sampled)
             }
-            Some(Lookup::Uncut(lookup)) => {
-                lookup.extend(tree, &self.committed, self.max_tree_nodes, sampled)
-            }
+            Some(Lookup::Uncut(lookup)) => lookup.extend(tree, &self.committed, max_nodes, sampled),
             None => tree,
         };
         let sent_at = clock();
@@ -342,10 +350,15 @@ impl<'a> RoundDriver<'a> {
             forward_ms = forward_s * 1e3,
             "round"
         );
+        // Load-aware trees: the verifier's price of a node and, when it is busy, its cap.
+        let node_price = v.stats.node_price_ns as f64 * 1e-9;
+        self.node_cap = (v.stats.node_cap > 0).then_some(v.stats.node_cap as usize);
         if let Some(Lookup::Adaptive(lookup)) = &mut self.lookup {
+            lookup.set_node_price(node_price);
             lookup.observe(&v.tokens, sent.tree_nodes, round_s, forward_s);
         }
         if let Some(d) = &mut self.drafter {
+            d.speculator.set_node_price(node_price);
             d.speculator.observe(observed);
         }
         self.stats.rounds += 1;

@@ -88,6 +88,12 @@ impl Speculator {
         self.depth.observe(round, forwards);
     }
 
+    /// The verifier's price of a tree node, in seconds (see
+    /// [`DepthController::set_node_price`]): adaptive trees weigh every node at least at it.
+    pub fn set_node_price(&mut self, seconds: f64) {
+        self.depth.set_node_price(seconds);
+    }
+
     /// The depth the next adaptive tree will have.
     pub fn adaptive_depth(&self) -> usize {
         self.depth.best_depth()

@@ -81,6 +81,8 @@ struct ScriptedVerifier {
     committed: Vec<u32>,
     left: usize,
     round: u32,
+    /// What its verdicts say of its load (node price, node cap).
+    load: (u32, u32),
 }
 
 impl ScriptedVerifier {
@@ -89,6 +91,7 @@ impl ScriptedVerifier {
             committed: prompt,
             left: params.max_new_tokens as usize,
             round: 0,
+            load: (0, 0),
         }
     }
 
@@ -129,6 +132,8 @@ impl ScriptedVerifier {
                 batch_size: 1,
                 queue_us: 0,
                 forward_us: 1_000 + 50 * tree.len() as u32,
+                node_price_ns: self.load.0,
+                node_cap: self.load.1,
             },
         }
     }
@@ -159,16 +164,76 @@ fn driver<'a>(draft: ToyDraft, shape: TreeShape, max_new: u32) -> RoundDriver<'a
 /// Drives `driver` to the end against a fresh scripted verifier; returns the tokens each round
 /// handed out.
 fn run(driver: &mut RoundDriver<'_>) -> Vec<u32> {
+    run_loaded(driver, (0, 0), 0.0).0
+}
+
+/// [`run`] against a verifier whose verdicts carry `load` (node price ns, node cap), each
+/// verdict arriving `rtt` seconds late; also returns the size of every tree sent.
+fn run_loaded(driver: &mut RoundDriver<'_>, load: (u32, u32), rtt: f64) -> (Vec<u32>, Vec<usize>) {
     let clock = scripted_clock();
     let mut server = ScriptedVerifier::open(driver.open_request());
-    let mut streamed = Vec::new();
+    server.load = load;
+    let (mut streamed, mut sizes) = (Vec::new(), Vec::new());
     while !driver.is_finished() {
         let tree = driver.draft(&clock).unwrap();
+        sizes.push(tree.len());
         driver.draft_ahead();
-        let out = driver.on_verified(&server.verify(&tree), clock()).unwrap();
+        let out = driver
+            .on_verified(&server.verify(&tree), clock() + rtt)
+            .unwrap();
         streamed.extend(out.tokens);
     }
-    streamed
+    (streamed, sizes)
+}
+
+#[test]
+fn a_client_told_a_node_cap_never_sends_a_larger_tree() {
+    let max_new = 60;
+    for cap in [1u32, 3, 5] {
+        let mut d = driver(ToyDraft::new(3), TreeShape::Dynamic { budget: 16 }, max_new)
+            .with_lookup(Some(ContextLookup::default()))
+            .with_pipelining(true);
+        let (out, sizes) = run_loaded(&mut d, (0, cap), 0.0);
+        assert_eq!(
+            out,
+            expected(max_new as usize),
+            "cap {cap} changed the output"
+        );
+        // The first tree goes before any verdict said a cap.
+        assert!(
+            sizes[0] > cap as usize,
+            "the uncapped tree is larger: {sizes:?}"
+        );
+        assert!(
+            sizes[1..].iter().all(|&n| n <= cap as usize),
+            "cap {cap}: trees of {sizes:?}"
+        );
+    }
+}
+
+#[test]
+fn load_aware_trees_shrink_when_the_verifier_prices_nodes_high() {
+    let max_new = 120;
+    let mean_late_size = |price_ns: u32| {
+        let mut d = driver(
+            ToyDraft::new(3),
+            TreeShape::AdaptiveDynamic { budget: 16 },
+            max_new,
+        );
+        // Behind a 50 ms round trip, where deep trees pay for the user.
+        let (out, sizes) = run_loaded(&mut d, (price_ns, 0), 0.05);
+        assert_eq!(out, expected(max_new as usize));
+        let late = &sizes[sizes.len() / 2..];
+        late.iter().sum::<usize>() as f64 / late.len() as f64
+    };
+    let idle = mean_late_size(0);
+    // A node priced at 200 ms, against rounds of about 55 ms: no draft pays.
+    let busy = mean_late_size(200_000_000);
+    assert!(idle > 2.0, "an idle verifier's trees grow: {idle:.2} nodes");
+    assert!(
+        busy < 1.5,
+        "a busy verifier's trees shrink to the root: {busy:.2} nodes (idle: {idle:.2})"
+    );
 }
 
 #[test]

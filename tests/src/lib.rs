@@ -45,6 +45,20 @@ pub fn chat_ids(prompt: &str) -> Vec<u32> {
 
 /// A verifier on 127.0.0.1 with a fresh pinned certificate; returns it and a client config.
 pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
+    start_verifier_drafting(engine, None)
+}
+
+/// The default SSM, loaded once per test binary, as a verifier's own draft model.
+pub fn default_ssm() -> &'static Llama {
+    static SSM: OnceLock<Llama> = OnceLock::new();
+    SSM.get_or_init(|| Llama::from_safetensors(&default_ssm_dir()).expect("loading the SSM"))
+}
+
+/// [`start_verifier`] with a draft model of the verifier's own (server-side speculation).
+pub fn start_verifier_drafting(
+    engine: EngineConfig,
+    server_draft: Option<&'static Llama>,
+) -> (RunningVerifier, RemoteConfig) {
     let (model, tok) = smollm2();
     let cfg = ServiceConfig {
         engine,
@@ -52,6 +66,7 @@ pub fn start_verifier(engine: EngineConfig) -> (RunningVerifier, RemoteConfig) {
         model_name: "SmolLM2-135M-Instruct".into(),
         fingerprint: tok.fingerprint(),
         hello_timeout: Duration::from_secs(5),
+        server_draft: server_draft.map(|m| m as specinfer_verifier::engine::ServerDraft),
     };
     service::start_loopback(model.clone(), API_KEY.into(), cfg).unwrap()
 }
@@ -89,83 +104,4 @@ impl DraftModel for NoisyDraft<'_> {
     }
 }
 
-/// A UDP relay in front of a verifier whose existing flows can be cut (their datagrams dropped
-/// both ways), as when a laptop's network dies; flows that start later go through. A client
-/// then sees its connection time out and must reconnect from a new socket.
-pub struct UdpRelay {
-    pub addr: std::net::SocketAddr,
-    flows: Arc<std::sync::Mutex<Vec<Arc<RelayFlow>>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-struct RelayFlow {
-    client: std::net::SocketAddr,
-    upstream: tokio::net::UdpSocket,
-    dead: std::sync::atomic::AtomicBool,
-}
-
-impl UdpRelay {
-    /// Starts relaying to `server` (must run inside a tokio runtime).
-    pub async fn start(server: std::net::SocketAddr) -> std::io::Result<UdpRelay> {
-        use std::sync::atomic::Ordering;
-        let front = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await?);
-        let addr = front.local_addr()?;
-        let flows: Arc<std::sync::Mutex<Vec<Arc<RelayFlow>>>> = Default::default();
-        let task_flows = flows.clone();
-        let task = tokio::spawn(async move {
-            let mut buf = vec![0u8; 65536];
-            while let Ok((n, from)) = front.recv_from(&mut buf).await {
-                let known = task_flows
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .find(|f| f.client == from)
-                    .cloned();
-                let flow = match known {
-                    Some(f) => f,
-                    None => {
-                        let Ok(upstream) = tokio::net::UdpSocket::bind("127.0.0.1:0").await else {
-                            continue;
-                        };
-                        if upstream.connect(server).await.is_err() {
-                            continue;
-                        }
-                        let flow = Arc::new(RelayFlow {
-                            client: from,
-                            upstream,
-                            dead: false.into(),
-                        });
-                        task_flows.lock().unwrap().push(flow.clone());
-                        let (back, front) = (flow.clone(), front.clone());
-                        tokio::spawn(async move {
-                            let mut buf = vec![0u8; 65536];
-                            while let Ok(n) = back.upstream.recv(&mut buf).await {
-                                if !back.dead.load(Ordering::Relaxed) {
-                                    let _ = front.send_to(&buf[..n], back.client).await;
-                                }
-                            }
-                        });
-                        flow
-                    }
-                };
-                if !flow.dead.load(Ordering::Relaxed) {
-                    let _ = flow.upstream.send(&buf[..n]).await;
-                }
-            }
-        });
-        Ok(UdpRelay { addr, flows, task })
-    }
-
-    /// Drops every datagram of the flows that exist now, from now on.
-    pub fn cut_existing(&self) {
-        for f in self.flows.lock().unwrap().iter() {
-            f.dead.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for UdpRelay {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+pub use specinfer_net::UdpRelay;

@@ -5,7 +5,10 @@
 use std::time::Duration;
 
 use specinfer_edge::{Client, Generation};
-use specinfer_integration::{chat_ids, smollm2, start_verifier, NoisyDraft, UdpRelay, API_KEY};
+use specinfer_integration::{
+    chat_ids, default_ssm, smollm2, start_verifier, start_verifier_drafting, NoisyDraft, UdpRelay,
+    API_KEY,
+};
 use specinfer_net::RemoteConfig;
 use specinfer_net::{client_config, read_frame, write_frame};
 use specinfer_speculator::{ContextLookup, DraftMode, Drafter, RoundDriver, Speculator};
@@ -87,6 +90,87 @@ async fn greedy_output_over_quic_equals_incremental_for_every_tree_shape() {
                 g.bytes_down
             );
         }
+    }
+    server.shutdown().await;
+}
+
+/// The tokens and round count of a session the verifier generates on its own.
+async fn server_generated(
+    remote: &RemoteConfig,
+    prompt: &[u32],
+    params: SamplingParams,
+    drafting: ServerDrafting,
+) -> Result<(Vec<u32>, usize), specinfer_net::RemoteError> {
+    let conn = specinfer_net::Remote::connect(remote).await?;
+    let mut s = conn.open(1, prompt.to_vec(), params).await?;
+    s.generate(drafting).await?;
+    let (mut tokens, mut rounds) = (Vec::new(), 0);
+    loop {
+        let v = s.verdict().await?;
+        assert!(v.stats.tree_nodes >= 1);
+        tokens.extend(&v.tokens);
+        rounds += 1;
+        if v.finish.is_some() {
+            break;
+        }
+    }
+    s.close().await?;
+    conn.shutdown().await;
+    Ok((tokens, rounds))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_verifier_generating_on_its_own_gives_the_client_driven_answer() {
+    let (server, remote) = start_verifier_drafting(EngineConfig::default(), Some(default_ssm()));
+    let ids = chat_ids("Name three colours of the rainbow.");
+    let params = SamplingParams::greedy(48);
+    let reference = generate(&remote, &ids, params.clone(), None).await;
+    let (plain, plain_rounds) =
+        server_generated(&remote, &ids, params.clone(), ServerDrafting::Plain)
+            .await
+            .unwrap();
+    assert_eq!(plain, reference.token_ids, "server-side plain decoding");
+    assert_eq!(plain_rounds, 48, "plain decoding is one token per round");
+    let (spec, spec_rounds) =
+        server_generated(&remote, &ids, params.clone(), ServerDrafting::Speculative)
+            .await
+            .unwrap();
+    assert_eq!(spec, reference.token_ids, "server-side speculation");
+    assert!(
+        spec_rounds < 48,
+        "server-side speculation never accepted a draft"
+    );
+    // Sampled, seeded: the same seed gives the same answer however the rounds were drafted.
+    let sampled = SamplingParams {
+        mode: VerifyMode::Stochastic,
+        temperature: 0.8,
+        seed: 7,
+        ..params
+    };
+    let a = server_generated(&remote, &ids, sampled.clone(), ServerDrafting::Speculative)
+        .await
+        .unwrap();
+    let b = server_generated(&remote, &ids, sampled, ServerDrafting::Speculative)
+        .await
+        .unwrap();
+    assert_eq!(a, b, "seeded server-side sampling is reproducible");
+    server.shutdown().await;
+
+    // A verifier without a draft model of its own says so.
+    let (server, remote) = start_verifier(EngineConfig::default());
+    match server_generated(
+        &remote,
+        &ids,
+        SamplingParams::greedy(8),
+        ServerDrafting::Speculative,
+    )
+    .await
+    {
+        Err(specinfer_net::RemoteError::Refused(e)) => {
+            assert_eq!(e.code, ErrorCode::Unsupported);
+            assert!(e.message.contains("--ssm"), "{}", e.message);
+        }
+        other => panic!("expected a refusal, got {other:?}"),
     }
     server.shutdown().await;
 }

@@ -256,6 +256,7 @@ pub fn run_in_process(llm: &Llama, driver: &mut RoundDriver<'_>) -> Result<()> {
             batch_size: 1,
             queue_us: 0,
             forward_us: t.elapsed().as_micros() as u32,
+            ..RoundStats::default()
         };
         driver.on_verified(&outcome.into_verified(0, round, stats), clock())?;
         round += 1;

@@ -222,6 +222,7 @@ fn answer(
                 batch_size: 1,
                 queue_us: 0,
                 forward_us: 0,
+                ..RoundStats::default()
             },
         }));
         // The same answer again (a replayed or misrouted frame) is refused.

@@ -118,6 +118,25 @@ pub struct RoundStats {
     pub batch_size: u32,
     pub queue_us: u32,
     pub forward_us: u32,
+    /// What one more tree node costs the verifier's users now, in nanoseconds of forward time:
+    /// the marginal cost per node of its fitted cost model times the sessions that shared this
+    /// forward (each of them waits that much longer). Load-aware trees weigh nodes by it, so
+    /// they shrink under load and grow with idle capacity. 0 while the verifier has no fit.
+    pub node_price_ns: u32,
+    /// When the verifier is busy (rounds waited for a place in a forward), the most nodes the
+    /// next tree of this session should hold; 0 when there is no cap.
+    pub node_cap: u32,
+}
+
+/// Who drafts the rounds of a session the verifier drives itself ([`Message::Generate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServerDrafting {
+    /// None: plain incremental decoding, one token per forward, as a server-only deployment
+    /// runs.
+    Plain,
+    /// The verifier's own draft model (co-located speculation); refused by a verifier started
+    /// without one.
+    Speculative,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,6 +171,8 @@ pub enum ErrorCode {
     Busy,
     LimitExceeded,
     OutOfOrder,
+    /// The verifier cannot do what was asked (the message says why).
+    Unsupported,
     Internal,
 }
 
@@ -187,6 +208,13 @@ pub enum Message {
         session: u64,
         committed: Vec<u32>,
     },
+    /// Asks the verifier to decode the open session to its end on its own (server-only
+    /// generation, as a cloud API serves it) and stream one `Verified` per round, numbered from
+    /// the session's next round; no `Verify` may follow.
+    Generate {
+        session: u64,
+        drafting: ServerDrafting,
+    },
 }
 
 /// Why a well-framed message was refused.
@@ -218,6 +246,7 @@ impl Message {
             Message::Close { .. } => "Close",
             Message::Resume { .. } => "Resume",
             Message::Resumed { .. } => "Resumed",
+            Message::Generate { .. } => "Generate",
         }
     }
 
@@ -276,7 +305,10 @@ impl Message {
                 limits.max_prompt_tokens + limits.max_new_tokens,
             ),
             Message::Error(e) => bound("error message", e.message.len(), limits.max_message_bytes),
-            Message::SessionOpened(_) | Message::Close { .. } | Message::Resume { .. } => Ok(()),
+            Message::SessionOpened(_)
+            | Message::Close { .. }
+            | Message::Resume { .. }
+            | Message::Generate { .. } => Ok(()),
         }
     }
 }

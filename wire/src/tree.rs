@@ -148,6 +148,34 @@ impl TokenTree {
         self.tokens.len()
     }
 
+    /// Keeps the first `nodes` nodes (at least the root). Parents come before children, so what
+    /// is kept is a tree; a sampled tree keeps the proposals of the draws it keeps, so each node
+    /// keeps a prefix of its children's draw sequence and stays exactly verifiable (how many
+    /// draws a node gets may follow anything but the LLM). How a client honours a verifier's
+    /// node cap.
+    pub fn truncate(&mut self, nodes: usize) {
+        let nodes = nodes.max(1);
+        if nodes >= self.tokens.len() {
+            return;
+        }
+        self.tokens.truncate(nodes);
+        self.parents.truncate(nodes - 1);
+        if let Some(p) = &mut self.proposals {
+            p.drawn_from.truncate(nodes - 1);
+            let mut kept: Vec<Option<u32>> = vec![None; p.dists.len()];
+            let mut dists = Vec::new();
+            for d in &mut p.drawn_from {
+                let slot = &mut kept[*d as usize];
+                let new = *slot.get_or_insert_with(|| {
+                    dists.push(p.dists[*d as usize].clone());
+                    dists.len() as u32 - 1
+                });
+                *d = new;
+            }
+            p.dists = dists;
+        }
+    }
+
     /// Never true for a validated tree; present because `len` is.
     pub fn is_empty(&self) -> bool {
         self.tokens.is_empty()
@@ -389,6 +417,41 @@ impl AncestorBits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_truncated_sampled_tree_keeps_only_its_nodes_proposals_and_stays_valid() {
+        // Root with two drawn children (from dist 0), and a grandchild under node 2 (dist 1).
+        let mut t = TokenTree::root(5);
+        t.push(0, 6);
+        t.push(0, 7);
+        t.push(2, 8);
+        let dist = |node, ids: Vec<u32>| SparseDist {
+            node,
+            probs: vec![1.0 / ids.len() as f32; ids.len()],
+            ids,
+        };
+        let t = t
+            .with_proposals(Proposals {
+                mode: DrawMode::WithoutReplacement,
+                dists: vec![dist(0, vec![6, 7]), dist(2, vec![8, 9])],
+                drawn_from: vec![0, 0, 1],
+            })
+            .unwrap();
+        let mut three = t.clone();
+        three.truncate(3);
+        assert_eq!(three.tokens(), &[5, 6, 7]);
+        let p = three.proposals().unwrap();
+        assert_eq!(p.dists.len(), 1, "the grandchild's proposal goes with it");
+        assert_eq!(p.drawn_from, vec![0, 0]);
+        three.validate(100, &Limits::default()).unwrap();
+        let mut root = t.clone();
+        root.truncate(0);
+        assert_eq!(root.len(), 1, "the root always stays");
+        root.validate(100, &Limits::default()).unwrap();
+        let mut all = t.clone();
+        all.truncate(10);
+        assert_eq!(all, t);
+    }
 
     #[test]
     fn ancestors_of_a_branching_tree_beyond_64_nodes() {

@@ -155,7 +155,8 @@ fn message_strategy() -> impl Strategy<Value = Message> {
                         tree_nodes: 9,
                         batch_size: 2,
                         queue_us: 10,
-                        forward_us: 1000
+                        forward_us: 1000,
+                        ..RoundStats::default()
                     },
                 })
             ),

@@ -34,6 +34,11 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ServeArgs {
+    /// A draft model of the verifier's own (an SSM folder from specinfer-train) for sessions
+    /// that ask the verifier to generate speculatively on its own (server-side speculation, the
+    /// baseline an edge/cloud split is measured against). Without it they are refused.
+    #[arg(long)]
+    ssm: Option<PathBuf>,
     /// UDP address to listen on.
     #[arg(long, default_value = "0.0.0.0:4433")]
     listen: SocketAddr,
@@ -210,6 +215,15 @@ fn main() -> Result<()> {
             .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
         fingerprint: tokenizer.fingerprint(),
         hello_timeout: Duration::from_secs(10),
+        server_draft: match &args.ssm {
+            Some(path) => {
+                let ssm = specinfer_model::Llama::from_safetensors(path)
+                    .with_context(|| format!("loading the draft model {}", path.display()))?;
+                // Shared by every session's drafter for the life of the process.
+                Some(Box::leak(Box::new(ssm)) as specinfer_verifier::engine::ServerDraft)
+            }
+            None => None,
+        },
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
