@@ -727,6 +727,9 @@ impl<M: TreeModel> Engine<M> {
             .sum();
         self.forward_cost
             .observe(forward_nodes as f64, forward.as_secs_f64());
+        self.metrics
+            .forward_nodes
+            .fetch_add(forward_nodes as u64, Ordering::Relaxed);
         let (_, per_node) = self.forward_cost.line();
         let node_price_ns = (per_node * rounds as f64 * 1e9).min(u32::MAX as f64) as u32;
         self.metrics.batch_size.observe(jobs.len() as f64);

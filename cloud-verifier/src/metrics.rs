@@ -98,6 +98,8 @@ pub struct Metrics {
     pub rounds: AtomicU64,
     pub tokens: AtomicU64,
     pub batches: AtomicU64,
+    /// Tree nodes and prompt tokens over all batched forwards (per forward: divide by batches).
+    pub forward_nodes: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Tokens emitted per round (tau).
@@ -120,6 +122,7 @@ impl Default for Metrics {
             rounds: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
             batches: AtomicU64::new(0),
+            forward_nodes: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
             tau: Histogram::new(COUNTS),
@@ -218,6 +221,13 @@ impl Metrics {
             "counter",
             "Batched forward passes.",
             &self.batches,
+        );
+        counter(
+            &mut out,
+            "specinfer_forward_nodes_total",
+            "counter",
+            "Tree nodes and prompt tokens over all batched forward passes.",
+            &self.forward_nodes,
         );
         counter(
             &mut out,

@@ -11,7 +11,7 @@ pub mod tls;
 
 pub use client::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use frames::{read_frame, write_frame};
-pub use relay::{RelayConfig, UdpRelay};
+pub use relay::{probe_round_trips, RelayConfig, UdpRelay};
 pub use tls::{cert_fingerprint, client_config, ServerIdentity, Trust};
 
 use specinfer_wire::DecodeError;

@@ -296,7 +296,7 @@ impl AffineFit {
 /// decayed sums over its rounds of the draft nodes accepted and of the acceptance their path
 /// probabilities predicted.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Calibration {
+pub struct Calibration {
     accepted: f64,
     predicted: f64,
 }
@@ -304,13 +304,13 @@ pub(crate) struct Calibration {
 impl Calibration {
     const DECAY: f64 = 0.95;
 
-    pub(crate) fn observe(&mut self, accepted: usize, predicted: f64) {
+    pub fn observe(&mut self, accepted: usize, predicted: f64) {
         self.accepted = Self::DECAY * self.accepted + accepted as f64;
         self.predicted = Self::DECAY * self.predicted + predicted;
     }
 
     /// 1 for a calibrated draft; a prior of one round worth 1 keeps it finite and moving.
-    pub(crate) fn factor(&self) -> f64 {
+    pub fn factor(&self) -> f64 {
         (self.accepted + 1.0) / (self.predicted + 1.0)
     }
 }

@@ -316,28 +316,58 @@ impl Growth {
 
 /// The measured costs a growing dynamic tree weighs each node against.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct GrowthCosts {
+pub struct GrowthCosts {
     /// Seconds of a round besides the verifier's forward (round trip, queueing).
-    pub(crate) fixed: f64,
-    pub(crate) per_forward: f64,
-    /// Verifier forward seconds for a tree of n nodes: `intercept + slope * n`.
-    pub(crate) intercept: f64,
-    pub(crate) slope: f64,
+    pub fixed: f64,
+    /// Seconds of one draft forward.
+    pub per_forward: f64,
+    /// Verifier forward seconds for a tree of n nodes: `intercept + slope * n` (the slope at
+    /// least the verifier's price of a node).
+    pub intercept: f64,
+    pub slope: f64,
     /// Accepted tokens per unit of path probability.
-    pub(crate) calibration: f64,
+    pub calibration: f64,
 }
 
 impl GrowthCosts {
+    /// How many nodes of a tree already drafted (path probabilities `path_p` of its non-root
+    /// nodes, best first, as a dynamic tree places them) a tree grown while paying would send,
+    /// the root included: what a client that replays recorded trees sends at these costs. Its
+    /// drafting is already paid, so no draft forward is charged.
+    pub fn paying_prefix(&self, path_p: &[f64]) -> usize {
+        let costs = GrowthCosts {
+            per_forward: 0.0,
+            ..*self
+        };
+        let mut expected = 0.0;
+        for (i, &p) in path_p.iter().enumerate() {
+            let so_far = Drafted {
+                forwards: 1,
+                expected,
+            };
+            if !costs.pays_at(i + 1, so_far, p, false) {
+                return i + 1;
+            }
+            expected += p;
+        }
+        path_p.len() + 1
+    }
+
     /// Whether adding a node with path probability `p` to `tree` (built with `so_far`'s
     /// forwards) raises the round's expected tokens per second. Each draft forward is charged
     /// to the first node of the wave it scored the parents of, so the first node must also pay
     /// for the root's forward: a draft that cannot is switched off.
     fn pays(&self, tree: &TokenTree, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
+        self.pays_at(tree.len(), so_far, p, first_of_wave)
+    }
+
+    /// [`GrowthCosts::pays`] for a tree of `nodes` nodes.
+    fn pays_at(&self, nodes: usize, so_far: Drafted, p: f64, first_of_wave: bool) -> bool {
         let charged_forwards = so_far.forwards - usize::from(first_of_wave);
         let tokens = 1.0 + self.calibration * so_far.expected;
         let seconds = self.fixed
             + self.intercept
-            + self.slope * tree.len() as f64
+            + self.slope * nodes as f64
             + self.per_forward * charged_forwards as f64;
         let cost = self.slope + if first_of_wave { self.per_forward } else { 0.0 };
         self.calibration * p * seconds > tokens * cost

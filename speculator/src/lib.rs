@@ -13,8 +13,11 @@ mod select;
 pub mod shape;
 pub mod speculator;
 
-pub use controller::{AffineFit, DepthController, DraftedPart, RoundObservation, PLAIN_EXPLORE};
+pub use controller::{
+    AffineFit, Calibration, DepthController, DraftedPart, RoundObservation, PLAIN_EXPLORE,
+};
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
+pub use dynamic::GrowthCosts;
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use merge::merge_trees;
 pub use round::{

@@ -72,7 +72,10 @@ async fn a_webtransport_session_gets_the_same_answer_as_quic() {
     assert_eq!(out, reference, "WebTransport and QUIC answers differ");
     // A garbage frame gets a typed error on its stream, like over QUIC.
     let (mut send, mut recv) = session.open_bi().await.unwrap();
-    send.write_all(&[5, 0, 0, 0, 1, 0, 9, 9, 9]).await.unwrap();
+    let [v0, v1] = PROTOCOL_VERSION.to_le_bytes();
+    send.write_all(&[5, 0, 0, 0, v0, v1, 9, 9, 9])
+        .await
+        .unwrap();
     match read_frame(&mut recv, &limits).await.unwrap().unwrap().0 {
         Message::Error(e) => assert_eq!(e.code, ErrorCode::BadFrame),
         other => panic!("expected an error, got {other:?}"),

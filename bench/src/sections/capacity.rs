@@ -1,0 +1,405 @@
+//! Capacity, as a fleet operator measures it: the verifier binary in its own process on its own
+//! core, open-loop Poisson arrivals of chat sessions from a load generator on the other core,
+//! every datagram through a UDP relay that adds the round trip. The same load, the same verifier
+//! and the same run, three ways:
+//!
+//! * server-only incremental decoding (the verifier decodes on its own with continuous batching
+//!   and streams; what a cloud API runs),
+//! * server-side speculation (the verifier drafts with the same SSM itself, on its core),
+//! * the split: clients replaying their recorded trees (see [`crate::replay`]), sized load-aware
+//!   or whole.
+//!
+//! Per arrival rate: goodput, time per output token (p50/p99 over sessions), time to first token,
+//! verifier CPU-seconds per generated token, nodes per batched forward. The headline is the
+//! highest goodput whose p99 time per output token keeps within the SLO.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::{json, Value};
+use specinfer_net::{probe_round_trips, RelayConfig, RemoteConfig, UdpRelay};
+use specinfer_wire::{SamplingParams, ServerDrafting};
+
+use crate::common::{Ctx, Section};
+use crate::plot::plot_lines;
+use crate::replay::{self, Recording, SessionTrace, Sizing};
+use crate::verifier_process::{pin_this_process, VerifierProcess};
+
+/// The service-level objective on p99 time per output token, for SmolLM2-135M on a CPU core
+/// (plain decoding there takes about 5-8 ms per token; 50 ms reads as a fast stream).
+const SLO_TPOT_S: f64 = 0.050;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    ServerIncremental,
+    ServerSpeculative,
+    Split(Sizing),
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::ServerIncremental => "server-only incremental",
+            Mode::ServerSpeculative => "server-side speculation",
+            Mode::Split(Sizing::LoadAware) => "split, load-aware trees",
+            Mode::Split(Sizing::Whole) => "split, whole dynamic:32 trees",
+        }
+    }
+}
+
+const MODES: [Mode; 4] = [
+    Mode::ServerIncremental,
+    Mode::ServerSpeculative,
+    Mode::Split(Sizing::LoadAware),
+    Mode::Split(Sizing::Whole),
+];
+
+/// What one arrival rate measured.
+struct Step {
+    rate: f64,
+    sessions: usize,
+    tokens: usize,
+    goodput: f64,
+    tpot_p50: f64,
+    tpot_p99: f64,
+    ttft_p50: f64,
+    ttft_p99: f64,
+    cpu_s_per_token: f64,
+    nodes_per_forward: f64,
+    tokens_per_round: f64,
+}
+
+impl Step {
+    fn to_json(&self) -> Value {
+        json!({"arrival_rate_per_s": self.rate, "sessions": self.sessions, "tokens": self.tokens,
+            "goodput_tokens_per_s": self.goodput, "tpot_p50_ms": self.tpot_p50 * 1e3, "tpot_p99_ms": self.tpot_p99 * 1e3,
+            "ttft_p50_ms": self.ttft_p50 * 1e3, "ttft_p99_ms": self.ttft_p99 * 1e3,
+            "verifier_cpu_s_per_token": self.cpu_s_per_token, "nodes_per_forward": self.nodes_per_forward,
+            "tokens_per_round": self.tokens_per_round})
+    }
+
+    fn within_slo(&self) -> bool {
+        self.tpot_p99 <= SLO_TPOT_S
+    }
+}
+
+/// The best goodput within the SLO over `steps` (0 when none keeps it).
+fn best_within_slo(steps: &[Step]) -> f64 {
+    steps
+        .iter()
+        .filter(|s| s.within_slo())
+        .map(|s| s.goodput)
+        .fold(0.0, f64::max)
+}
+
+/// The `q` quantile of the finite values (NaN when there are none).
+fn percentile(values: &[f64], q: f64) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+pub fn run(ctx: &Ctx, ssm_dir: &Path, llm_path: &Path, quick: bool, out: &Path) -> Result<Section> {
+    let (max_new, sessions, rates, rtts): (u32, usize, &[f64], &[u64]) = if quick {
+        (64, 12, &[1.0, 2.0, 4.0, 8.0], &[0, 14, 50])
+    } else {
+        (128, 32, &[0.5, 1.0, 2.0, 4.0, 8.0], &[0, 14, 50])
+    };
+    let params = SamplingParams {
+        stop_ids: ctx.tok.eos().to_vec(),
+        ..SamplingParams::greedy(max_new)
+    };
+    eprintln!(
+        "      recording {} prompts' trees (dynamic:32 at every position of the greedy answer)",
+        ctx.prompts.len()
+    );
+    let n_prompts = ctx.prompts.len();
+    let recordings = Arc::new(replay::record(
+        &ctx.llm,
+        &ctx.ssm,
+        &ctx.prompts,
+        &params,
+        32,
+        &mut |done| eprintln!("      recorded {done}/{n_prompts}"),
+    )?);
+
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = cores >= 2;
+    let verifier = VerifierProcess::start(pinned.then_some(0), llm_path, ssm_dir)?;
+    if pinned {
+        pin_this_process("1")?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(measure(
+        ctx,
+        &verifier,
+        &recordings,
+        &params,
+        sessions,
+        rates,
+        rtts,
+    ));
+    if pinned {
+        pin_this_process(&format!("0-{}", cores - 1))?;
+    }
+    let (relay_rtts, table) = result?;
+    drop(verifier);
+    report(
+        &table,
+        &relay_rtts,
+        (pinned, sessions, max_new, n_prompts),
+        out,
+    )
+}
+
+type Table = Vec<(u64, Mode, Vec<Step>)>;
+
+async fn measure(
+    ctx: &Ctx,
+    verifier: &VerifierProcess,
+    recordings: &Arc<Vec<Recording>>,
+    params: &SamplingParams,
+    sessions: usize,
+    rates: &[f64],
+    rtts: &[u64],
+) -> Result<(Vec<(u64, f64, f64)>, Table)> {
+    let mut relay_rtts = Vec::new();
+    for &rtt in rtts {
+        let pings =
+            probe_round_trips(RelayConfig::round_trip(Duration::from_millis(rtt)), 20).await?;
+        let p50 = percentile(&pings, 0.5);
+        let max = pings.iter().copied().fold(0.0, f64::max);
+        eprintln!("      relay told {rtt} ms: ping p50 {p50:.2} ms, max {max:.2} ms");
+        relay_rtts.push((rtt, p50, max));
+    }
+    let mut table = Vec::new();
+    for &rtt in rtts {
+        let relay = UdpRelay::with_path(
+            verifier.addr,
+            RelayConfig::round_trip(Duration::from_millis(rtt)),
+        )
+        .await?;
+        let remote = verifier.remote(relay.addr, ctx.tok.fingerprint())?;
+        for mode in MODES {
+            // One untimed session warms the verifier's caches and connections.
+            one_session(&remote, recordings, 0, params, mode, Instant::now()).await?;
+            let mut steps = Vec::new();
+            for (i, &rate) in rates.iter().enumerate() {
+                let s = step(
+                    verifier, &remote, recordings, params, mode, rate, sessions, i as u64,
+                )
+                .await?;
+                eprintln!(
+                    "      RTT {rtt} ms, {}, {rate}/s: goodput {:.0} tok/s, TPOT p50 {:.1} p99 {:.1} ms, TTFT p50 {:.0} ms, verifier {:.2} ms CPU/token, {:.1} nodes/forward",
+                    mode.name(),
+                    s.goodput,
+                    s.tpot_p50 * 1e3,
+                    s.tpot_p99 * 1e3,
+                    s.ttft_p50 * 1e3,
+                    s.cpu_s_per_token * 1e3,
+                    s.nodes_per_forward
+                );
+                steps.push(s);
+            }
+            table.push((rtt, mode, steps));
+        }
+    }
+    Ok((relay_rtts, table))
+}
+
+async fn one_session(
+    remote: &RemoteConfig,
+    recordings: &[Recording],
+    i: usize,
+    params: &SamplingParams,
+    mode: Mode,
+    arrival: Instant,
+) -> Result<SessionTrace> {
+    let rec = &recordings[i % recordings.len()];
+    match mode {
+        Mode::ServerIncremental => {
+            replay::server_generated(remote, rec, params, ServerDrafting::Plain, arrival).await
+        }
+        Mode::ServerSpeculative => {
+            replay::server_generated(remote, rec, params, ServerDrafting::Speculative, arrival)
+                .await
+        }
+        Mode::Split(sizing) => replay::replay(remote, rec, params, sizing, arrival).await,
+    }
+}
+
+/// `sessions` sessions arriving as a Poisson process of `rate` per second.
+#[allow(clippy::too_many_arguments)]
+async fn step(
+    verifier: &VerifierProcess,
+    remote: &RemoteConfig,
+    recordings: &Arc<Vec<Recording>>,
+    params: &SamplingParams,
+    mode: Mode,
+    rate: f64,
+    sessions: usize,
+    seed: u64,
+) -> Result<Step> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (cpu0, batches0, nodes0) = (
+        verifier.cpu_seconds()?,
+        verifier.counter("specinfer_batches_total").await?,
+        verifier.counter("specinfer_forward_nodes_total").await?,
+    );
+    let start = Instant::now();
+    let mut at = 0.0;
+    let mut tasks = Vec::new();
+    for i in 0..sessions {
+        at += -(1.0 - rng.random::<f64>()).ln() / rate;
+        let due = start + Duration::from_secs_f64(at);
+        let (remote, recordings, params) = (remote.clone(), recordings.clone(), params.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(due.into()).await;
+            let arrival = Instant::now();
+            one_session(&remote, &recordings, i, &params, mode, arrival).await
+        }));
+    }
+    let mut traces = Vec::new();
+    for t in tasks {
+        traces.push(t.await??);
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let cpu = verifier.cpu_seconds()? - cpu0;
+    let batches = verifier.counter("specinfer_batches_total").await? - batches0;
+    let nodes = verifier.counter("specinfer_forward_nodes_total").await? - nodes0;
+    let tokens: usize = traces.iter().map(SessionTrace::tokens).sum();
+    let rounds: usize = traces.iter().map(|t| t.verdicts.len()).sum();
+    let tpot: Vec<f64> = traces.iter().map(SessionTrace::tpot).collect();
+    let ttft: Vec<f64> = traces.iter().map(SessionTrace::ttft).collect();
+    Ok(Step {
+        rate,
+        sessions,
+        tokens,
+        // The first arrival is at `at` of the first session, close to 0: goodput over the
+        // whole step, arrivals and drain included.
+        goodput: tokens as f64 / wall,
+        tpot_p50: percentile(&tpot, 0.5),
+        tpot_p99: percentile(&tpot, 0.99),
+        ttft_p50: percentile(&ttft, 0.5),
+        ttft_p99: percentile(&ttft, 0.99),
+        cpu_s_per_token: cpu / tokens.max(1) as f64,
+        nodes_per_forward: nodes / batches.max(1.0),
+        tokens_per_round: tokens as f64 / rounds.max(1) as f64,
+    })
+}
+
+fn report(
+    table: &Table,
+    relay_rtts: &[(u64, f64, f64)],
+    (pinned, sessions, max_new, prompts): (bool, usize, u32, usize),
+    out: &Path,
+) -> Result<Section> {
+    let find = |rtt: u64, mode: Mode| {
+        table
+            .iter()
+            .find(|(r, m, _)| *r == rtt && *m == mode)
+            .map(|(_, _, s)| s.as_slice())
+            .unwrap_or(&[])
+    };
+    let rtts: Vec<u64> = relay_rtts.iter().map(|r| r.0).collect();
+    let plot_rtt = if rtts.contains(&14) { 14 } else { rtts[0] };
+    let series = |f: fn(&Step) -> f64| -> Vec<(&'static str, Vec<(f64, f64)>)> {
+        MODES
+            .iter()
+            .map(|&m| {
+                (
+                    m.name(),
+                    find(plot_rtt, m).iter().map(|s| (s.rate, f(s))).collect(),
+                )
+            })
+            .collect()
+    };
+    plot_lines(
+        &out.join("capacity.svg"),
+        &format!("Goodput vs arrival rate, {plot_rtt} ms RTT"),
+        "sessions arriving per second",
+        "generated tokens/s (all sessions)",
+        &series(|s| s.goodput),
+    )?;
+    plot_lines(
+        &out.join("capacity_latency.svg"),
+        &format!("p99 time per output token vs arrival rate, {plot_rtt} ms RTT"),
+        "sessions arriving per second",
+        "p99 ms per output token",
+        &series(|s| s.tpot_p99 * 1e3),
+    )?;
+
+    let mut md = format!(
+        "## Capacity (issue #22)\n\nThe `specinfer-verifier` binary in its own process{}, the load generator in this one{}; \
+         every datagram through a UDP relay adding the round trip (measured with 20 UDP pings through it: {}). \
+         Per arrival rate, {sessions} chat sessions ({prompts} held-out ShareGPT prompts, greedy, at most {max_new} new tokens) arrive as a Poisson process, \
+         each on its own QUIC connection. Split sessions replay trees recorded once with the real SSM (dynamic:32 at every position of the LLM's greedy answer) and check every verdict against the recorded answer; \
+         the server modes' answers are checked the same way. SLO: p99 time per output token (TPOT, per session, after its first verdict) <= {:.0} ms.\n\n",
+        if pinned { " pinned to core 0 (`taskset -c 0`)" } else { " (not pinned: fewer than 2 cores)" },
+        if pinned { " pinned to core 1" } else { "" },
+        relay_rtts
+            .iter()
+            .map(|(r, p50, max)| format!("told {r} ms, p50 {p50:.2} ms, max {max:.2} ms"))
+            .collect::<Vec<_>>()
+            .join("; "),
+        SLO_TPOT_S * 1e3
+    );
+    md += "### Highest goodput within the SLO (tokens/s), and its ratio to server-only incremental\n\n| RTT ms |";
+    for m in MODES {
+        md += &format!(" {} |", m.name());
+    }
+    md += "\n|---|";
+    md += &"---|".repeat(MODES.len());
+    md += "\n";
+    let mut headline = Vec::new();
+    for &rtt in &rtts {
+        let base = best_within_slo(find(rtt, Mode::ServerIncremental));
+        md += &format!("| {rtt} |");
+        for m in MODES {
+            let g = best_within_slo(find(rtt, m));
+            md += &format!(" {g:.0} ({:.2}x) |", g / base.max(1e-9));
+            headline.push(json!({"rtt_ms": rtt, "mode": m.name(), "goodput_within_slo": g, "vs_server_incremental": g / base.max(1e-9)}));
+        }
+        md += "\n";
+    }
+    md += "\n### Every step\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round |\n|---|---|---|---|---|---|---|---|---|\n";
+    let mut steps_json = Vec::new();
+    for (rtt, mode, steps) in table {
+        for s in steps {
+            md += &format!(
+                "| {rtt} | {} | {} | {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {:.2} | {:.1} | {:.2} |\n",
+                mode.name(),
+                s.rate,
+                s.goodput,
+                s.tpot_p50 * 1e3,
+                s.tpot_p99 * 1e3,
+                s.ttft_p50 * 1e3,
+                s.ttft_p99 * 1e3,
+                s.cpu_s_per_token * 1e3,
+                s.nodes_per_forward,
+                s.tokens_per_round
+            );
+            let mut j = s.to_json();
+            j["rtt_ms"] = json!(rtt);
+            j["mode"] = json!(mode.name());
+            steps_json.push(j);
+        }
+    }
+    md += "\n![goodput](capacity.svg)\n\n![latency](capacity_latency.svg)\n\n";
+    Ok(Section {
+        key: "capacity",
+        json: json!({"slo_tpot_ms": SLO_TPOT_S * 1e3, "pinned": pinned, "sessions_per_step": sessions, "max_new_tokens": max_new,
+            "relay_ping_ms": relay_rtts.iter().map(|(r, p50, max)| json!({"told": r, "p50": p50, "max": max})).collect::<Vec<_>>(),
+            "within_slo": headline, "steps": steps_json}),
+        markdown: md,
+    })
+}

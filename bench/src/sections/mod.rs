@@ -1,0 +1,10 @@
+//! The report's sections, one module each with one entry point.
+
+pub mod alignment;
+pub mod capacity;
+pub mod concurrency;
+pub mod qwen;
+pub mod rtt;
+pub mod stochastic;
+pub mod tree_vs_sequence;
+pub mod tree_width;
