@@ -130,12 +130,16 @@ mod tests {
     }
 
     #[test]
-    fn a_v2_frame_is_refused_cleanly() {
+    fn a_frame_of_another_version_is_refused_cleanly() {
+        let next = PROTOCOL_VERSION + 1;
         let mut f = encode_frame(&Message::Close { session: 3 });
-        f[FRAME_HEADER_BYTES] = 2;
+        f[FRAME_HEADER_BYTES..FRAME_HEADER_BYTES + 2].copy_from_slice(&next.to_le_bytes());
         assert_eq!(
             decode_frame(body(&f), &Limits::default()),
-            Err(DecodeError::UnsupportedVersion { got: 2, ours: 1 })
+            Err(DecodeError::UnsupportedVersion {
+                got: next,
+                ours: PROTOCOL_VERSION
+            })
         );
     }
 
@@ -179,10 +183,10 @@ mod tests {
         assert_eq!(big_tree.error_code(), ErrorCode::LimitExceeded);
         let too_large = frame_len(u32::MAX.to_le_bytes(), &limits).unwrap_err();
         assert_eq!(too_large.error_code(), ErrorCode::LimitExceeded);
-        let mut v2 = encode_frame(&Message::Close { session: 3 });
-        v2[FRAME_HEADER_BYTES] = 2;
-        let v2 = decode_frame(body(&v2), &limits).unwrap_err();
-        assert_eq!(v2.error_code(), ErrorCode::UnsupportedVersion);
+        let mut other = encode_frame(&Message::Close { session: 3 });
+        other[FRAME_HEADER_BYTES] = PROTOCOL_VERSION as u8 + 1;
+        let other = decode_frame(body(&other), &limits).unwrap_err();
+        assert_eq!(other.error_code(), ErrorCode::UnsupportedVersion);
         let mut trailing = encode_frame(&Message::Close { session: 3 });
         trailing.push(0);
         let trailing = decode_frame(body(&trailing), &limits).unwrap_err();
