@@ -507,7 +507,8 @@ mod end_to_end {
             .unwrap()
     }
 
-    /// Counts of (first, second) generated token over `trials` generations.
+    /// Counts of (first, second) generated token over `trials` generations, every verdict
+    /// carrying `node_cap` (0: none), as a busy verifier's do.
     fn sample_pairs(
         llm: &Llama,
         ssm: &Llama,
@@ -515,6 +516,7 @@ mod end_to_end {
         draw: DrawMode,
         trials: usize,
         tamper: bool,
+        node_cap: u32,
     ) -> Vec<u64> {
         let limits = Limits::default();
         let mut counts = vec![0u64; VOCAB * VOCAB];
@@ -567,6 +569,7 @@ mod end_to_end {
                     batch_size: 1,
                     queue_us: 0,
                     forward_us: 500 + 20 * v.tree.len() as u32,
+                    node_cap,
                     ..RoundStats::default()
                 };
                 let Message::Verified(verdict) =
@@ -604,11 +607,22 @@ mod end_to_end {
             TreeShape::Expansion(vec![2, 2]),
         ] {
             for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
-                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false);
+                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0);
                 let pv = chi_square_p(&counts, &joint);
                 println!("{shape} {draw:?}: p-value {pv:.4}");
                 assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
             }
+        }
+        // A busy verifier's node cap cuts the trees after the first round to their first nodes.
+        for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+            let shape = TreeShape::Dynamic { budget: 8 };
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 3);
+            let pv = chi_square_p(&counts, &joint);
+            println!("{shape} {draw:?} capped at 3 nodes: p-value {pv:.4}");
+            assert!(
+                pv > 1e-3,
+                "{shape} {draw:?} capped: joint is off, p-value {pv}"
+            );
         }
         // The mutation check: the same trees with their proposals misdeclared.
         let counts = sample_pairs(
@@ -618,6 +632,7 @@ mod end_to_end {
             DrawMode::WithoutReplacement,
             12_000,
             true,
+            0,
         );
         let pv = chi_square_p(&counts, &joint);
         assert!(
