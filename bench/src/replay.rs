@@ -9,8 +9,9 @@
 //!
 //! A replayed session sizes its trees as a load-aware client does: the recorded tree's best-first
 //! prefix that pays at the costs it measured (round trip, the verifier's fitted forward cost,
-//! the verifier's node price) and within the verifier's node cap, with the same rule as the
-//! client's adaptive dynamic trees ([`GrowthCosts::paying_prefix`]).
+//! the verifier's node price) and within the verifier's node cap, with the same rule and cost
+//! model as the client's adaptive dynamic trees
+//! ([`specinfer_speculator::GrowthCosts::paying_prefix`], [`DepthController`]).
 
 use std::time::Instant;
 
@@ -18,8 +19,8 @@ use anyhow::{bail, Context, Result};
 use specinfer_model::Llama;
 use specinfer_net::{Remote, RemoteConfig};
 use specinfer_speculator::{
-    AffineFit, CachedDraft, Calibration, DraftMode, DraftModel, GrowthCosts, RoundDriver,
-    Speculator, TreeShape,
+    CachedDraft, Calibration, DepthController, DraftMode, DraftModel, RoundDriver,
+    RoundObservation, Speculator, TreeShape,
 };
 use specinfer_train::eval;
 use specinfer_wire::{SamplingParams, ServerDrafting, TokenTree, Verified};
@@ -132,52 +133,55 @@ pub enum Sizing {
     LoadAware,
 }
 
-/// What a replaying client measured, to size its next tree.
-#[derive(Default)]
+/// What a replaying client measured, to size its next tree: the client's own cost model (the
+/// adaptive trees' [`DepthController`], which also takes the verifier's node price) and draft
+/// calibration, and the verifier's last node cap.
 struct MeasuredCosts {
-    verify: AffineFit,
-    fixed: f64,
+    costs: DepthController,
     calibration: Calibration,
-    price: f64,
     cap: Option<usize>,
-    rounds: usize,
+}
+
+impl Default for MeasuredCosts {
+    fn default() -> Self {
+        MeasuredCosts {
+            costs: DepthController::new(0),
+            calibration: Calibration::default(),
+            cap: None,
+        }
+    }
 }
 
 impl MeasuredCosts {
     fn nodes(&self, sizing: Sizing, path_p: &[f64]) -> usize {
-        let n = match sizing {
-            Sizing::LoadAware if self.rounds > 0 => {
-                let (intercept, slope) = self.verify.line();
-                GrowthCosts {
-                    fixed: self.fixed,
-                    per_forward: 0.0,
-                    intercept,
-                    slope: slope.max(self.price),
-                    calibration: self.calibration.factor(),
-                }
-                .paying_prefix(path_p)
-            }
-            _ => path_p.len() + 1,
+        let paying = match sizing {
+            Sizing::LoadAware => self.costs.growth_costs(self.calibration.factor()),
+            Sizing::Whole => None,
         };
+        let n = paying.map_or(path_p.len() + 1, |c| c.paying_prefix(path_p));
         self.cap.map_or(n, |c| n.min(c))
     }
 
     fn observe(&mut self, v: &Verified, round_s: f64, sent_path_p: &[f64]) {
-        let forward_s = v.stats.forward_us as f64 * 1e-6;
-        self.verify.observe(v.stats.tree_nodes as f64, forward_s);
-        let fixed = (round_s - forward_s).max(0.0);
-        self.fixed = if self.rounds == 0 {
-            fixed
-        } else {
-            0.8 * self.fixed + 0.2 * fixed
-        };
+        self.costs
+            .set_node_price(v.stats.node_price_ns as f64 * 1e-9);
+        // The drafting was paid when the trees were recorded: no draft forwards.
+        self.costs.observe(
+            RoundObservation {
+                tree_depth: 0,
+                tree_nodes: v.stats.tree_nodes as usize,
+                accepted: v.accepted_nodes.len(),
+                draft_s: 0.0,
+                round_s,
+                forward_s: v.stats.forward_us as f64 * 1e-6,
+            },
+            0,
+        );
         if !sent_path_p.is_empty() {
             self.calibration
                 .observe(v.accepted_nodes.len(), sent_path_p.iter().sum());
         }
-        self.price = v.stats.node_price_ns as f64 * 1e-9;
         self.cap = (v.stats.node_cap > 0).then_some(v.stats.node_cap as usize);
-        self.rounds += 1;
     }
 }
 

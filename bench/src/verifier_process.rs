@@ -18,6 +18,8 @@ pub struct VerifierProcess {
     pub addr: SocketAddr,
     pin: String,
     metrics: SocketAddr,
+    /// The kernel's clock ticks per second (`/proc` CPU times count them).
+    ticks_per_second: f64,
 }
 
 impl VerifierProcess {
@@ -89,6 +91,7 @@ impl VerifierProcess {
             addr,
             pin,
             metrics,
+            ticks_per_second: clock_ticks_per_second(),
         })
     }
 
@@ -115,7 +118,7 @@ impl VerifierProcess {
             .split_whitespace()
             .collect();
         let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-        Ok(ticks / clock_ticks_per_second())
+        Ok(ticks / self.ticks_per_second)
     }
 
     /// A counter from its Prometheus endpoint.

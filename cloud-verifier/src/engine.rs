@@ -460,11 +460,17 @@ impl<M: TreeModel> Engine<M> {
                 format!("session {id} is not open"),
             )
         })?;
-        if e.driving.is_some() || in_flight || e.opening.is_some() {
-            return Err(EngineError::new(
-                ErrorCode::OutOfOrder,
-                "the session is still opening, or has a round in flight",
-            ));
+        let busy = if e.opening.is_some() {
+            Some("the session's prompt is still being prefilled")
+        } else if e.driving.is_some() {
+            Some("the verifier is already generating the session")
+        } else if in_flight {
+            Some("the session has a round in flight")
+        } else {
+            None
+        };
+        if let Some(why) = busy {
+            return Err(EngineError::new(ErrorCode::OutOfOrder, why));
         }
         let params = e.session.params().clone();
         let drafter = match drafting {

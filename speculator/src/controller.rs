@@ -137,7 +137,7 @@ impl DepthController {
 
     /// The costs a growing dynamic tree weighs, with `calibration` accepted tokens per unit of
     /// path probability; `None` before any round was measured.
-    pub(crate) fn growth_costs(&self, calibration: f64) -> Option<GrowthCosts> {
+    pub fn growth_costs(&self, calibration: f64) -> Option<GrowthCosts> {
         let (intercept, slope) = self.verify_fit();
         (self.rounds > 0).then_some(GrowthCosts {
             fixed: self.fixed,

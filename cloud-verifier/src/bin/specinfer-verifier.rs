@@ -219,6 +219,13 @@ fn main() -> Result<()> {
             Some(path) => {
                 let ssm = specinfer_model::Llama::from_safetensors(path)
                     .with_context(|| format!("loading the draft model {}", path.display()))?;
+                let (ours, llms) = (ssm.config().vocab_size, model.config().vocab_size);
+                if ours != llms {
+                    bail!(
+                        "the draft model {} has {ours} tokens, the LLM {llms}: they must share a tokenizer",
+                        path.display()
+                    );
+                }
                 // Shared by every session's drafter for the life of the process.
                 Some(Box::leak(Box::new(ssm)) as specinfer_verifier::engine::ServerDraft)
             }
