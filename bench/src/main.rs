@@ -57,6 +57,17 @@ struct Args {
     /// API key for the remote verifier.
     #[arg(long, env = "SPECINFER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The LLM/SSM pairs the capacity section loads (comma-separated).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [CapacityPair::Smollm2, CapacityPair::Qwen])]
+    capacity_pairs: Vec<CapacityPair>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CapacityPair {
+    /// SmolLM2-135M-Instruct with the default SSM on held-out ShareGPT chat prompts.
+    Smollm2,
+    /// Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.5B-Instruct drafting, on HumanEval.
+    Qwen,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -145,6 +156,62 @@ impl Network {
     }
 }
 
+/// The capacity section over the pairs asked for.
+fn capacity(args: &Args, smollm2: &Ctx, smollm2_path: &std::path::Path) -> Result<Section> {
+    use sections::capacity::{Mode, Workload};
+    let quick = args.quick;
+    let qwen = if args.capacity_pairs.contains(&CapacityPair::Qwen) {
+        let (n, max_new) = if quick { (4, 48) } else { (8, 96) };
+        Some(sections::qwen::context(n, max_new)?)
+    } else {
+        None
+    };
+    let mut workloads = Vec::new();
+    for pair in &args.capacity_pairs {
+        workloads.push(match (pair, &qwen) {
+            (CapacityPair::Smollm2, _) => Workload {
+            tag: "smollm2",
+            description:
+                "SmolLM2-135M-Instruct (Q4_1) with the default SSM, held-out ShareGPT chat prompts"
+                    .into(),
+            ctx: smollm2,
+            llm: smollm2_path.to_path_buf(),
+            ssm: args.ssm.clone(),
+            // Plain decoding on one core takes about 5-8 ms a token: 50 ms reads as a fast stream.
+            slo_tpot_s: 0.050,
+            max_new: if quick { 64 } else { 128 },
+            sessions: if quick { 12 } else { 32 },
+            rates: if quick {
+                vec![1.0, 2.0, 4.0, 8.0, 12.0]
+            } else {
+                vec![0.5, 1.0, 2.0, 4.0, 8.0, 12.0]
+            },
+            modes: Mode::ALL.to_vec(),
+        },
+            (CapacityPair::Qwen, Some((ctx, llm, ssm))) => Workload {
+            tag: "qwen",
+            description: "Qwen2.5-Coder-1.5B-Instruct verified, Qwen2.5-Coder-0.5B-Instruct drafting (Q4_K_M), HumanEval prompts".into(),
+            ctx,
+            llm: llm.clone(),
+            ssm: ssm.clone(),
+            // Plain decoding on one core takes about 100 ms a token: 250 ms is a steady stream
+            // of words.
+            slo_tpot_s: 0.250,
+            max_new: ctx.max_new,
+            sessions: if quick { 6 } else { 12 },
+            rates: if quick {
+                vec![0.1, 0.2, 0.4]
+            } else {
+                vec![0.05, 0.1, 0.2, 0.4]
+            },
+            modes: Mode::MAIN.to_vec(),
+        },
+            (CapacityPair::Qwen, None) => unreachable!("loaded above when asked for"),
+        });
+    }
+    sections::capacity::run(&workloads, &args.out)
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let t0 = Instant::now();
@@ -215,9 +282,7 @@ fn main() -> Result<()> {
                 sections::concurrency::run(&ctx, net()?, args.quick, &args.out)?
             }
             SectionName::Qwen => sections::qwen::run(args.quick)?,
-            SectionName::Capacity => {
-                sections::capacity::run(&ctx, &args.ssm, &llm_path, args.quick, &args.out)?
-            }
+            SectionName::Capacity => capacity(&args, &ctx, &llm_path)?,
         };
         done.push(section);
     }

@@ -373,3 +373,37 @@ impl GrowthCosts {
         self.calibration * p * seconds > tokens * cost
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs(fixed: f64, slope: f64) -> GrowthCosts {
+        GrowthCosts {
+            fixed,
+            per_forward: 0.0,
+            intercept: 0.001,
+            slope,
+            calibration: 1.0,
+        }
+    }
+
+    #[test]
+    fn the_paying_prefix_shrinks_as_nodes_get_dearer() {
+        let path_p = [0.9, 0.8, 0.6, 0.4, 0.2, 0.1, 0.05];
+        // Behind a 50 ms round trip, nearly free nodes all pay.
+        assert_eq!(costs(0.05, 1e-6).paying_prefix(&path_p), 8);
+        // A node priced at ten rounds never pays: the root alone.
+        assert_eq!(costs(0.05, 0.5).paying_prefix(&path_p), 1);
+        let sizes: Vec<usize> = [1e-6, 1e-3, 5e-3, 2e-2, 1e-1]
+            .iter()
+            .map(|&slope| costs(0.05, slope).paying_prefix(&path_p))
+            .collect();
+        assert!(
+            sizes.windows(2).all(|w| w[0] >= w[1]),
+            "dearer nodes never grow the tree: {sizes:?}"
+        );
+        assert!(sizes[0] > sizes[4], "{sizes:?}");
+        assert_eq!(costs(0.05, 1.0).paying_prefix(&[]), 1, "the root alone");
+    }
+}

@@ -13,7 +13,7 @@
 //! verifier CPU-seconds per generated token, nodes per batched forward. The headline is the
 //! highest goodput whose p99 time per output token keeps within the SLO.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,12 +29,28 @@ use crate::plot::plot_lines;
 use crate::replay::{self, Recording, SessionTrace, Sizing};
 use crate::verifier_process::{pin_this_process, VerifierProcess};
 
-/// The service-level objective on p99 time per output token, for SmolLM2-135M on a CPU core
-/// (plain decoding there takes about 5-8 ms per token; 50 ms reads as a fast stream).
-const SLO_TPOT_S: f64 = 0.050;
+/// One LLM/SSM pair under load: its models and prompts, the load, and what counts as serving it
+/// well.
+pub struct Workload<'a> {
+    /// Names the pair in the report, and its plots' files (`capacity_<tag>.svg`).
+    pub tag: &'static str,
+    pub description: String,
+    pub ctx: &'a Ctx,
+    pub llm: PathBuf,
+    /// The SSM, for the verifier's own drafting (server-side speculation).
+    pub ssm: PathBuf,
+    /// The service-level objective on p99 time per output token.
+    pub slo_tpot_s: f64,
+    pub max_new: u32,
+    /// Sessions per arrival rate.
+    pub sessions: usize,
+    /// Session arrivals per second, one step each.
+    pub rates: Vec<f64>,
+    pub modes: Vec<Mode>,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
+pub enum Mode {
     ServerIncremental,
     ServerSpeculative,
     Split(Sizing),
@@ -51,12 +67,24 @@ impl Mode {
     }
 }
 
-const MODES: [Mode; 4] = [
-    Mode::ServerIncremental,
-    Mode::ServerSpeculative,
-    Mode::Split(Sizing::LoadAware),
-    Mode::Split(Sizing::Whole),
-];
+impl Mode {
+    /// Server-only decoding, server-side speculation, and the split with load-aware trees.
+    pub const MAIN: [Mode; 3] = [
+        Mode::ServerIncremental,
+        Mode::ServerSpeculative,
+        Mode::Split(Sizing::LoadAware),
+    ];
+    /// [`Mode::MAIN`] and the split with whole trees, to show what the load-aware sizing buys.
+    pub const ALL: [Mode; 4] = [
+        Mode::ServerIncremental,
+        Mode::ServerSpeculative,
+        Mode::Split(Sizing::LoadAware),
+        Mode::Split(Sizing::Whole),
+    ];
+}
+
+/// The round trips every workload is measured at.
+const RTTS_MS: [u64; 3] = [0, 14, 50];
 
 /// What one arrival rate measured.
 struct Step {
@@ -81,17 +109,14 @@ impl Step {
             "verifier_cpu_s_per_token": self.cpu_s_per_token, "nodes_per_forward": self.nodes_per_forward,
             "tokens_per_round": self.tokens_per_round})
     }
-
-    fn within_slo(&self) -> bool {
-        self.tpot_p99 <= SLO_TPOT_S
-    }
 }
 
-/// The best goodput within the SLO over `steps` (0 when none keeps it).
-fn best_within_slo(steps: &[Step]) -> f64 {
+/// The best goodput whose p99 time per output token is within `slo` over `steps` (0 when none
+/// keeps it).
+fn best_within_slo(steps: &[Step], slo: f64) -> f64 {
     steps
         .iter()
-        .filter(|s| s.within_slo())
+        .filter(|s| s.tpot_p99 <= slo)
         .map(|s| s.goodput)
         .fold(0.0, f64::max)
 }
@@ -106,12 +131,25 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-pub fn run(ctx: &Ctx, ssm_dir: &Path, llm_path: &Path, quick: bool, out: &Path) -> Result<Section> {
-    let (max_new, sessions, rates, rtts): (u32, usize, &[f64], &[u64]) = if quick {
-        (64, 12, &[1.0, 2.0, 4.0, 8.0], &[0, 14, 50])
-    } else {
-        (128, 32, &[0.5, 1.0, 2.0, 4.0, 8.0], &[0, 14, 50])
-    };
+/// Measures every workload in turn, each with its own verifier process.
+pub fn run(workloads: &[Workload], out: &Path) -> Result<Section> {
+    let mut md = "## Capacity (issue #22)\n\n".to_string();
+    let mut json = serde_json::Map::new();
+    for w in workloads {
+        eprintln!("      capacity: {}", w.description);
+        let (part, j) = run_workload(w, out)?;
+        md += &part;
+        json.insert(w.tag.into(), j);
+    }
+    Ok(Section {
+        key: "capacity",
+        json: Value::Object(json),
+        markdown: md,
+    })
+}
+
+fn run_workload(w: &Workload, out: &Path) -> Result<(String, Value)> {
+    let (ctx, max_new) = (w.ctx, w.max_new);
     let params = SamplingParams {
         stop_ids: ctx.tok.eos().to_vec(),
         ..SamplingParams::greedy(max_new)
@@ -132,48 +170,32 @@ pub fn run(ctx: &Ctx, ssm_dir: &Path, llm_path: &Path, quick: bool, out: &Path) 
 
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned = cores >= 2;
-    let verifier = VerifierProcess::start(pinned.then_some(0), llm_path, ssm_dir)?;
+    let verifier = VerifierProcess::start(pinned.then_some(0), &w.llm, &w.ssm)?;
     if pinned {
         pin_this_process("1")?;
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let result = rt.block_on(measure(
-        ctx,
-        &verifier,
-        &recordings,
-        &params,
-        sessions,
-        rates,
-        rtts,
-    ));
+    let result = rt.block_on(measure(w, &verifier, &recordings, &params));
     if pinned {
         pin_this_process(&format!("0-{}", cores - 1))?;
     }
     let (relay_rtts, table) = result?;
     drop(verifier);
-    report(
-        &table,
-        &relay_rtts,
-        (pinned, sessions, max_new, n_prompts),
-        out,
-    )
+    report(w, &table, &relay_rtts, pinned, n_prompts, out)
 }
 
 type Table = Vec<(u64, Mode, Vec<Step>)>;
 
 async fn measure(
-    ctx: &Ctx,
+    w: &Workload<'_>,
     verifier: &VerifierProcess,
     recordings: &Arc<Vec<Recording>>,
     params: &SamplingParams,
-    sessions: usize,
-    rates: &[f64],
-    rtts: &[u64],
 ) -> Result<(Vec<(u64, f64, f64)>, Table)> {
     let mut relay_rtts = Vec::new();
-    for &rtt in rtts {
+    for rtt in RTTS_MS {
         let pings =
             probe_round_trips(RelayConfig::round_trip(Duration::from_millis(rtt)), 20).await?;
         let p50 = percentile(&pings, 0.5);
@@ -182,20 +204,20 @@ async fn measure(
         relay_rtts.push((rtt, p50, max));
     }
     let mut table = Vec::new();
-    for &rtt in rtts {
+    for rtt in RTTS_MS {
         let relay = UdpRelay::with_path(
             verifier.addr,
             RelayConfig::round_trip(Duration::from_millis(rtt)),
         )
         .await?;
-        let remote = verifier.remote(relay.addr, ctx.tok.fingerprint())?;
-        for mode in MODES {
+        let remote = verifier.remote(relay.addr, w.ctx.tok.fingerprint())?;
+        for &mode in &w.modes {
             // One untimed session warms the verifier's caches and connections.
             one_session(&remote, recordings, 0, params, mode, Instant::now()).await?;
             let mut steps = Vec::new();
-            for (i, &rate) in rates.iter().enumerate() {
+            for (i, &rate) in w.rates.iter().enumerate() {
                 let s = step(
-                    verifier, &remote, recordings, params, mode, rate, sessions, i as u64,
+                    verifier, &remote, recordings, params, mode, rate, w.sessions, i as u64,
                 )
                 .await?;
                 eprintln!(
@@ -298,11 +320,14 @@ async fn step(
 }
 
 fn report(
+    w: &Workload,
     table: &Table,
     relay_rtts: &[(u64, f64, f64)],
-    (pinned, sessions, max_new, prompts): (bool, usize, u32, usize),
+    pinned: bool,
+    prompts: usize,
     out: &Path,
-) -> Result<Section> {
+) -> Result<(String, Value)> {
+    let (sessions, max_new, slo) = (w.sessions, w.max_new, w.slo_tpot_s);
     let find = |rtt: u64, mode: Mode| {
         table
             .iter()
@@ -313,7 +338,7 @@ fn report(
     let rtts: Vec<u64> = relay_rtts.iter().map(|r| r.0).collect();
     let plot_rtt = if rtts.contains(&14) { 14 } else { rtts[0] };
     let series = |f: fn(&Step) -> f64| -> Vec<(&'static str, Vec<(f64, f64)>)> {
-        MODES
+        w.modes
             .iter()
             .map(|&m| {
                 (
@@ -324,26 +349,30 @@ fn report(
             .collect()
     };
     plot_lines(
-        &out.join("capacity.svg"),
-        &format!("Goodput vs arrival rate, {plot_rtt} ms RTT"),
+        &out.join(format!("capacity_{}.svg", w.tag)),
+        &format!("{}: goodput vs arrival rate, {plot_rtt} ms RTT", w.tag),
         "sessions arriving per second",
         "generated tokens/s (all sessions)",
         &series(|s| s.goodput),
     )?;
     plot_lines(
-        &out.join("capacity_latency.svg"),
-        &format!("p99 time per output token vs arrival rate, {plot_rtt} ms RTT"),
+        &out.join(format!("capacity_{}_latency.svg", w.tag)),
+        &format!(
+            "{}: p99 time per output token vs arrival rate, {plot_rtt} ms RTT",
+            w.tag
+        ),
         "sessions arriving per second",
         "p99 ms per output token",
         &series(|s| s.tpot_p99 * 1e3),
     )?;
 
     let mut md = format!(
-        "## Capacity (issue #22)\n\nThe `specinfer-verifier` binary in its own process{}, the load generator in this one{}; \
+        "### {}\n\nThe `specinfer-verifier` binary in its own process{}, the load generator in this one{}; \
          every datagram through a UDP relay adding the round trip (measured with 20 UDP pings through it: {}). \
-         Per arrival rate, {sessions} chat sessions ({prompts} held-out ShareGPT prompts, greedy, at most {max_new} new tokens) arrive as a Poisson process, \
+         Per arrival rate, {sessions} sessions ({prompts} prompts, greedy, at most {max_new} new tokens) arrive as a Poisson process, \
          each on its own QUIC connection. Split sessions replay trees recorded once with the real SSM (dynamic:32 at every position of the LLM's greedy answer) and check every verdict against the recorded answer; \
          the server modes' answers are checked the same way. SLO: p99 time per output token (TPOT, per session, after its first verdict) <= {:.0} ms.\n\n",
+        w.description,
         if pinned { " pinned to core 0 (`taskset -c 0`)" } else { " (not pinned: fewer than 2 cores)" },
         if pinned { " pinned to core 1" } else { "" },
         relay_rtts
@@ -351,27 +380,27 @@ fn report(
             .map(|(r, p50, max)| format!("told {r} ms, p50 {p50:.2} ms, max {max:.2} ms"))
             .collect::<Vec<_>>()
             .join("; "),
-        SLO_TPOT_S * 1e3
+        slo * 1e3
     );
-    md += "### Highest goodput within the SLO (tokens/s), and its ratio to server-only incremental\n\n| RTT ms |";
-    for m in MODES {
+    md += "Highest goodput within the SLO (tokens/s), and its ratio to server-only incremental:\n\n| RTT ms |";
+    for m in &w.modes {
         md += &format!(" {} |", m.name());
     }
     md += "\n|---|";
-    md += &"---|".repeat(MODES.len());
+    md += &"---|".repeat(w.modes.len());
     md += "\n";
     let mut headline = Vec::new();
     for &rtt in &rtts {
-        let base = best_within_slo(find(rtt, Mode::ServerIncremental));
+        let base = best_within_slo(find(rtt, Mode::ServerIncremental), slo);
         md += &format!("| {rtt} |");
-        for m in MODES {
-            let g = best_within_slo(find(rtt, m));
+        for &m in &w.modes {
+            let g = best_within_slo(find(rtt, m), slo);
             md += &format!(" {g:.0} ({:.2}x) |", g / base.max(1e-9));
             headline.push(json!({"rtt_ms": rtt, "mode": m.name(), "goodput_within_slo": g, "vs_server_incremental": g / base.max(1e-9)}));
         }
         md += "\n";
     }
-    md += "\n### Every step\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round |\n|---|---|---|---|---|---|---|---|---|\n";
+    md += "\nEvery step:\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round |\n|---|---|---|---|---|---|---|---|---|\n";
     let mut steps_json = Vec::new();
     for (rtt, mode, steps) in table {
         for s in steps {
@@ -394,12 +423,12 @@ fn report(
             steps_json.push(j);
         }
     }
-    md += "\n![goodput](capacity.svg)\n\n![latency](capacity_latency.svg)\n\n";
-    Ok(Section {
-        key: "capacity",
-        json: json!({"slo_tpot_ms": SLO_TPOT_S * 1e3, "pinned": pinned, "sessions_per_step": sessions, "max_new_tokens": max_new,
-            "relay_ping_ms": relay_rtts.iter().map(|(r, p50, max)| json!({"told": r, "p50": p50, "max": max})).collect::<Vec<_>>(),
-            "within_slo": headline, "steps": steps_json}),
-        markdown: md,
-    })
+    md += &format!(
+        "\n![goodput](capacity_{0}.svg)\n\n![latency](capacity_{0}_latency.svg)\n\n",
+        w.tag
+    );
+    let json = json!({"description": w.description, "slo_tpot_ms": slo * 1e3, "pinned": pinned, "sessions_per_step": sessions, "max_new_tokens": max_new,
+        "relay_ping_ms": relay_rtts.iter().map(|(r, p50, max)| json!({"told": r, "p50": p50, "max": max})).collect::<Vec<_>>(),
+        "within_slo": headline, "steps": steps_json});
+    Ok((md, json))
 }

@@ -1,6 +1,7 @@
 //! The heavier pair: Qwen2.5-Coder-1.5B-Instruct verified with Qwen2.5-Coder-0.5B-Instruct as
 //! SSM on HumanEval prompts; incremental vs the paper's tree, greedy, in-process verifier.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -11,22 +12,26 @@ use specinfer_wire::{DrawMode, VerifyMode};
 
 use crate::common::{humaneval_prompts, run_local, Ctx, Section};
 
-/// The pair's models and `n_prompts` HumanEval prompts as chat requests, `max_new` tokens each.
-pub fn context(n_prompts: usize, max_new: u32) -> Result<Ctx> {
+/// The pair's models and `n_prompts` HumanEval prompts as chat requests, `max_new` tokens each;
+/// also the LLM's and the SSM's GGUF files.
+pub fn context(n_prompts: usize, max_new: u32) -> Result<(Ctx, PathBuf, PathBuf)> {
     let cache = fetch::cache_dir();
-    let (llm, tok) = load_gguf(&fetch::ensure(&fetch::QWEN25_CODER_15B, &cache)?)?;
-    let (ssm, _) = load_gguf(&fetch::ensure(&fetch::QWEN25_CODER_05B, &cache)?)?;
+    let llm_path = fetch::ensure(&fetch::QWEN25_CODER_15B, &cache)?;
+    let ssm_path = fetch::ensure(&fetch::QWEN25_CODER_05B, &cache)?;
+    let (llm, tok) = load_gguf(&llm_path)?;
+    let (ssm, _) = load_gguf(&ssm_path)?;
     let prompts = humaneval_prompts(n_prompts)?
         .iter()
         .map(|p| chat_ids(&tok, p))
         .collect::<Result<Vec<_>>>()?;
-    Ok(Ctx {
+    let ctx = Ctx {
         llm: Arc::new(llm),
         tok,
         ssm: Arc::new(ssm) as Arc<Llama>,
         prompts,
         max_new,
-    })
+    };
+    Ok((ctx, llm_path, ssm_path))
 }
 
 fn chat_ids(tok: &Tokenizer, problem: &str) -> Result<Vec<u32>> {
@@ -36,7 +41,7 @@ fn chat_ids(tok: &Tokenizer, problem: &str) -> Result<Vec<u32>> {
 
 pub fn run(quick: bool) -> Result<Section> {
     let (n_prompts, max_new) = if quick { (1, 32) } else { (4, 64) };
-    let ctx = context(n_prompts, max_new)?;
+    let (ctx, _, _) = context(n_prompts, max_new)?;
     let greedy = |shape| run_local(&ctx, shape, VerifyMode::Greedy, DrawMode::Iid);
     let inc = greedy(None)?;
     let spec = greedy(Some(TreeShape::Expansion(

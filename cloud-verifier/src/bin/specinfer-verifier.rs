@@ -34,7 +34,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// A draft model of the verifier's own (an SSM folder from specinfer-train) for sessions
+    /// A draft model of the verifier's own (an SSM folder from specinfer-train, or a GGUF file
+    /// of a smaller model with the LLM's tokenizer) for sessions
     /// that ask the verifier to generate speculatively on its own (server-side speculation, the
     /// baseline an edge/cloud split is measured against). Without it they are refused.
     #[arg(long)]
@@ -217,8 +218,12 @@ fn main() -> Result<()> {
         hello_timeout: Duration::from_secs(10),
         server_draft: match &args.ssm {
             Some(path) => {
-                let ssm = specinfer_model::Llama::from_safetensors(path)
-                    .with_context(|| format!("loading the draft model {}", path.display()))?;
+                let ssm = if path.extension().is_some_and(|e| e == "gguf") {
+                    load_gguf(path).map(|(m, _)| m)
+                } else {
+                    specinfer_model::Llama::from_safetensors(path)
+                }
+                .with_context(|| format!("loading the draft model {}", path.display()))?;
                 let (ours, llms) = (ssm.config().vocab_size, model.config().vocab_size);
                 if ours != llms {
                     bail!(
