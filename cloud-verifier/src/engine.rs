@@ -117,10 +117,12 @@ enum Request {
     Open {
         prompt: Vec<u32>,
         params: SamplingParams,
+        owner: KeyId,
         reply: oneshot::Sender<Result<Opened, EngineError>>,
     },
     Resume {
         token: [u8; 16],
+        owner: KeyId,
         reply: oneshot::Sender<Result<(SessionId, Vec<u32>), EngineError>>,
     },
     Verify {
@@ -169,22 +171,35 @@ impl EngineHandle {
             .unwrap_or_else(|_| Err(EngineError::new(ErrorCode::Internal, "verifier stopped")))
     }
 
+    /// Opens a session for a connection whose key is `owner`.
     pub async fn open(
         &self,
         prompt: Vec<u32>,
         params: SamplingParams,
+        owner: KeyId,
     ) -> Result<Opened, EngineError> {
         self.ask(|reply| Request::Open {
             prompt,
             params,
+            owner,
             reply,
         })
         .await
     }
 
-    /// Re-attaches a detached session; returns its id and committed tokens.
-    pub async fn resume(&self, token: [u8; 16]) -> Result<(SessionId, Vec<u32>), EngineError> {
-        self.ask(|reply| Request::Resume { token, reply }).await
+    /// Re-attaches a detached session opened with the same key; returns its id and committed
+    /// tokens.
+    pub async fn resume(
+        &self,
+        token: [u8; 16],
+        owner: KeyId,
+    ) -> Result<(SessionId, Vec<u32>), EngineError> {
+        self.ask(|reply| Request::Resume {
+            token,
+            owner,
+            reply,
+        })
+        .await
     }
 
     pub async fn verify(&self, id: SessionId, tree: TokenTree) -> Result<Round, EngineError> {
@@ -233,6 +248,8 @@ impl EngineHandle {
 struct Entry<M: TreeModel> {
     session: Session<M>,
     resume_token: [u8; 16],
+    /// The key of the connection that opened it.
+    owner: KeyId,
     last_used: Instant,
     detached_at: Option<Instant>,
     /// While the prompt is being prefilled: who waits for the session, and since when.
@@ -293,7 +310,6 @@ pub fn spawn<M: TreeModel + 'static>(
                 sessions: HashMap::new(),
                 pending: VecDeque::new(),
                 next_id: 1,
-                seed: seed(),
                 server_draft,
                 forward_cost: AffineFit::default(),
                 epoch: Instant::now(),
@@ -304,15 +320,31 @@ pub fn spawn<M: TreeModel + 'static>(
     (EngineHandle { tx }, thread)
 }
 
-fn seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
+/// Who opened a session: the SHA-256 of the API key its connection presented (`None`: no key).
+/// A session can only be resumed by a connection with the same key.
+pub type KeyId = Option<[u8; 32]>;
+
+/// The [`KeyId`] of a connection that presented `api_key`.
+pub fn key_id(api_key: Option<&str>) -> KeyId {
+    use sha2::{Digest, Sha256};
+    api_key.map(|k| Sha256::digest(k.as_bytes()).into())
+}
+
+/// A resume token: 128 bits from the operating system's random source.
+fn fresh_resume_token() -> Result<[u8; 16], EngineError> {
+    let mut token = [0u8; 16];
+    getrandom::fill(&mut token).map_err(|e| {
+        EngineError::new(
+            ErrorCode::Internal,
+            format!("the OS gave no random bytes: {e}"),
+        )
+    })?;
+    Ok(token)
+}
+
+/// Equality whose time does not depend on where the inputs differ, for secrets.
+fn constant_time_eq(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 struct Engine<M: TreeModel> {
@@ -322,8 +354,6 @@ struct Engine<M: TreeModel> {
     sessions: HashMap<SessionId, Entry<M>>,
     pending: VecDeque<PendingVerify>,
     next_id: SessionId,
-    /// Keys resume tokens (unguessable per process).
-    seed: u64,
     server_draft: Option<ServerDraft>,
     /// Forward seconds against nodes per forward: what one more node costs.
     forward_cost: AffineFit,
@@ -362,8 +392,9 @@ impl<M: TreeModel> Engine<M> {
             Request::Open {
                 prompt,
                 params,
+                owner,
                 reply,
-            } => match self.open(prompt, params) {
+            } => match self.open(prompt, params, owner) {
                 // Answered when the prompt's prefill completes (see `iteration`).
                 Ok(id) => {
                     let e = self.sessions.get_mut(&id).expect("just opened");
@@ -373,11 +404,16 @@ impl<M: TreeModel> Engine<M> {
                     let _ = reply.send(Err(e));
                 }
             },
-            Request::Resume { token, reply } => {
-                let found = self
-                    .sessions
-                    .iter_mut()
-                    .find(|(_, e)| e.resume_token == token && e.detached_at.is_some());
+            Request::Resume {
+                token,
+                owner,
+                reply,
+            } => {
+                let found = self.sessions.iter_mut().find(|(_, e)| {
+                    constant_time_eq(&e.resume_token, &token)
+                        && e.owner == owner
+                        && e.detached_at.is_some()
+                });
                 let _ = reply.send(match found {
                     Some((&id, e)) => {
                         e.detached_at = None;
@@ -561,7 +597,12 @@ impl<M: TreeModel> Engine<M> {
         }
     }
 
-    fn open(&mut self, prompt: Vec<u32>, params: SamplingParams) -> Result<SessionId, EngineError> {
+    fn open(
+        &mut self,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        owner: KeyId,
+    ) -> Result<SessionId, EngineError> {
         if self.sessions.len() >= self.cfg.max_sessions {
             return Err(EngineError::busy(format!(
                 "all {} sessions are in use",
@@ -601,12 +642,13 @@ impl<M: TreeModel> Engine<M> {
             .map_err(|e| EngineError::new(ErrorCode::BadFrame, e.to_string()))?;
         let id = self.next_id;
         self.next_id += 1;
-        let resume_token = self.resume_token(id);
+        let resume_token = fresh_resume_token()?;
         self.sessions.insert(
             id,
             Entry {
                 session,
                 resume_token,
+                owner,
                 last_used: Instant::now(),
                 detached_at: None,
                 opening: None,
@@ -619,15 +661,6 @@ impl<M: TreeModel> Engine<M> {
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::debug!(id, prompt = prompt.len(), "session opened");
         Ok(id)
-    }
-
-    fn resume_token(&self, id: SessionId) -> [u8; 16] {
-        use sha2::{Digest, Sha256};
-        let h = Sha256::new()
-            .chain_update(self.seed.to_le_bytes())
-            .chain_update(id.to_le_bytes())
-            .finalize();
-        h[..16].try_into().expect("16 of 32 bytes")
     }
 
     fn remove(&mut self, id: SessionId, why: &str) {

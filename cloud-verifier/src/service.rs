@@ -101,16 +101,19 @@ pub struct RunningVerifier {
 }
 
 /// A verifier on 127.0.0.1 (a free port) with a fresh self-signed certificate, and the client
-/// configuration that reaches it: pinned to that certificate, with the one API key `cfg`
-/// accepts. What a first run's embedded verifier and the end-to-end tests start.
+/// configuration that reaches it: pinned to that certificate, with `api_key`, which the verifier
+/// accepts besides any keys `cfg` lists. What a first run's embedded verifier and the end-to-end
+/// tests start.
 pub fn start_loopback<M: TreeModel + 'static>(
     model: Arc<M>,
     api_key: String,
     cfg: ServiceConfig,
 ) -> Result<(RunningVerifier, RemoteConfig), NetError> {
     let identity = ServerIdentity::self_signed(&["localhost"])?;
+    let mut keys = cfg.api_keys.clone().unwrap_or_default();
+    keys.insert(api_key.clone());
     let cfg = ServiceConfig {
-        api_keys: Some([api_key.clone()].into()),
+        api_keys: Some(keys),
         ..cfg
     };
     let remote = RemoteConfig {
@@ -344,8 +347,15 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
     let hello = tokio::time::timeout(ctx.cfg.hello_timeout, ctx.recv(&mut recv))
         .await
         .map_err(|_| NetError::Timeout)?;
+    // Sessions are bound to the key that opened them: only it may resume them.
+    let mut owner = None;
     let refusal = match hello {
-        Ok(Some(msg)) => ctx.refusal(msg),
+        Ok(Some(msg)) => {
+            if let Message::ClientHello(h) = &msg {
+                owner = engine::key_id(h.api_key.as_deref());
+            }
+            ctx.refusal(msg)
+        }
         Ok(None) => Some(error(
             ErrorCode::BadFrame,
             None,
@@ -373,7 +383,7 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         let (send, recv) = conn.accept_bi().await?;
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            session_stream(send, recv, &ctx).await;
+            session_stream(send, recv, &ctx, owner).await;
         });
     }
 }
@@ -385,7 +395,7 @@ struct Bound {
     next_round: u32,
 }
 
-async fn session_stream<W, R>(mut send: W, mut recv: R, ctx: &Ctx)
+async fn session_stream<W, R>(mut send: W, mut recv: R, ctx: &Ctx, owner: engine::KeyId)
 where
     W: AsyncWrite + Unpin,
     R: AsyncRead + Unpin,
@@ -416,7 +426,7 @@ where
         };
         let reply = match msg {
             Message::OpenSession(o) if bound.is_none() => {
-                match ctx.engine.open(o.prompt, o.params).await {
+                match ctx.engine.open(o.prompt, o.params, owner).await {
                     Ok(opened) => {
                         bound = Some(Bound {
                             client_id: o.session,
@@ -434,7 +444,7 @@ where
             Message::Resume {
                 session,
                 resume_token,
-            } if bound.is_none() => match ctx.engine.resume(resume_token).await {
+            } if bound.is_none() => match ctx.engine.resume(resume_token, owner).await {
                 Ok((id, committed)) => {
                     bound = Some(Bound {
                         client_id: session,

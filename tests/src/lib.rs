@@ -59,10 +59,19 @@ pub fn start_verifier_drafting(
     engine: EngineConfig,
     server_draft: Option<&'static Llama>,
 ) -> (RunningVerifier, RemoteConfig) {
+    start_verifier_with(engine, server_draft, &[])
+}
+
+/// [`start_verifier`] that also accepts `other_keys` besides [`API_KEY`].
+pub fn start_verifier_with(
+    engine: EngineConfig,
+    server_draft: Option<&'static Llama>,
+    other_keys: &[&str],
+) -> (RunningVerifier, RemoteConfig) {
     let (model, tok) = smollm2();
     let cfg = ServiceConfig {
         engine,
-        api_keys: None,
+        api_keys: Some(other_keys.iter().map(|k| k.to_string()).collect()),
         model_name: "SmolLM2-135M-Instruct".into(),
         fingerprint: tok.fingerprint(),
         hello_timeout: Duration::from_secs(5),

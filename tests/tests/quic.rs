@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use specinfer_edge::{Client, Generation};
 use specinfer_integration::{
-    chat_ids, default_ssm, smollm2, start_verifier, start_verifier_drafting, NoisyDraft, UdpRelay,
-    API_KEY,
+    chat_ids, default_ssm, smollm2, start_verifier, start_verifier_drafting, start_verifier_with,
+    NoisyDraft, UdpRelay, API_KEY,
 };
 use specinfer_net::RemoteConfig;
 use specinfer_net::{client_config, read_frame, write_frame};
@@ -618,6 +618,44 @@ async fn a_session_survives_a_dropped_connection_and_resumes() {
     assert_eq!(err.code(), Some(ErrorCode::UnknownSession));
     s.close().await.unwrap();
     second.shutdown().await;
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_key_that_opened_a_session_can_resume_it() {
+    let (server, remote) = start_verifier_with(EngineConfig::default(), None, &["another-key"]);
+    let ids = chat_ids("Name two oceans.");
+    let owner = specinfer_net::Remote::connect(&remote).await.unwrap();
+    let mut s = owner
+        .open(5, ids.clone(), SamplingParams::greedy(12))
+        .await
+        .unwrap();
+    s.verify(TokenTree::root(*ids.last().unwrap()))
+        .await
+        .unwrap();
+    let token = s.resume_token();
+    drop(s);
+    drop(owner);
+    // Time for the verifier to see the connection go and detach the session.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let other = RemoteConfig {
+        api_key: Some("another-key".into()),
+        ..remote.clone()
+    };
+    let thief = specinfer_net::Remote::connect(&other).await.unwrap();
+    let err = thief
+        .resume(5, token)
+        .await
+        .err()
+        .expect("another key must not take the session over");
+    assert_eq!(err.code(), Some(ErrorCode::UnknownSession));
+    thief.shutdown().await;
+    // The session was there to take: its own key resumes it at once.
+    let again = specinfer_net::Remote::connect(&remote).await.unwrap();
+    let (s, committed) = again.resume(5, token).await.unwrap();
+    assert_eq!(committed[..ids.len()], ids[..]);
+    s.close().await.unwrap();
+    again.shutdown().await;
     server.shutdown().await;
 }
 
