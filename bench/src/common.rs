@@ -143,6 +143,7 @@ pub fn params(ctx: &Ctx, mode: VerifyMode, seed: u64) -> SamplingParams {
         seed,
         max_new_tokens: ctx.max_new,
         stop_ids: ctx.tok.eos().to_vec(),
+        return_features: false,
     }
 }
 

@@ -638,8 +638,14 @@ impl<M: TreeModel> Engine<M> {
         if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
             return Err(EngineError::busy("the verifier's KV memory is full"));
         }
-        let session = Session::new(&*self.model, &prompt, params, &self.cfg.limits)
-            .map_err(|e| EngineError::new(ErrorCode::BadFrame, e.to_string()))?;
+        let session =
+            Session::new(&*self.model, &prompt, params, &self.cfg.limits).map_err(|e| {
+                let code = match e {
+                    SessionError::FeaturesUnsupported => ErrorCode::Unsupported,
+                    _ => ErrorCode::BadFrame,
+                };
+                EngineError::new(code, e.to_string())
+            })?;
         let id = self.next_id;
         self.next_id += 1;
         let resume_token = fresh_resume_token()?;

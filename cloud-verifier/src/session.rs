@@ -7,7 +7,8 @@ use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::distribution;
 use specinfer_model::{Llama, ModelError, TreeModel};
 use specinfer_wire::{
-    FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified, VerifyMode,
+    FeatureRows, FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified,
+    VerifyMode, PROMPT_FEATURE_ROWS,
 };
 
 use crate::verify::{verify_greedy, verify_naive_sampling, verify_stochastic, Verdict};
@@ -30,6 +31,8 @@ pub enum SessionError {
     Model(ModelError),
     #[error("the prompt is still being prefilled")]
     Prefilling,
+    #[error("this verifier's engine does not give the LLM's features (the CPU engine does; the GPU engine does not yet): open the session without return_features")]
+    FeaturesUnsupported,
 }
 
 impl From<TreeError> for SessionError {
@@ -55,6 +58,8 @@ pub struct RoundOutcome {
     pub finish: Option<FinishReason>,
     pub accepted_at_depth: Vec<u32>,
     pub rejected_at_depth: Vec<u32>,
+    /// The features gathered since the last verdict, when the session asked for them.
+    pub features: Option<FeatureRows>,
 }
 
 impl RoundOutcome {
@@ -71,6 +76,7 @@ impl RoundOutcome {
             tokens: self.tokens,
             finish: self.finish,
             stats,
+            features: self.features,
         }
     }
 }
@@ -82,6 +88,44 @@ pub struct Session<M: TreeModel = Llama> {
     tokens: Vec<u32>,
     prompt_len: usize,
     finish: Option<FinishReason>,
+    /// When the session asked for features: those of consecutive positions not yet sent.
+    features: Option<PendingFeatures>,
+}
+
+/// Features of positions `first..first + rows.len() / dim`, waiting for the next verdict.
+struct PendingFeatures {
+    first: usize,
+    dim: usize,
+    rows: Vec<f32>,
+}
+
+impl PendingFeatures {
+    /// Appends the features of `count` positions from `logits` (nodes `nodes` of a forward's
+    /// output), which must follow the ones held.
+    fn push(&mut self, logits: &specinfer_model::Logits, nodes: impl Iterator<Item = usize>) {
+        for n in nodes {
+            if let Some(f) = logits.feature(n) {
+                self.rows.extend_from_slice(f);
+            }
+        }
+    }
+
+    /// Keeps only the last `rows` positions (a long prompt's features beyond what a drafter
+    /// reads are never sent).
+    fn keep_last(&mut self, rows: usize) {
+        let held = self.rows.len() / self.dim;
+        if held > rows {
+            self.rows.drain(..(held - rows) * self.dim);
+            self.first += held - rows;
+        }
+    }
+
+    fn take(&mut self) -> FeatureRows {
+        let rows = FeatureRows::quantize(self.first as u32, self.dim, &self.rows);
+        self.first += self.rows.len() / self.dim;
+        self.rows.clear();
+        rows
+    }
 }
 
 impl<M: TreeModel> Session<M> {
@@ -101,12 +145,21 @@ impl<M: TreeModel> Session<M> {
                 ..*limits
             },
         )?;
+        if params.return_features && !model.gives_features() {
+            return Err(SessionError::FeaturesUnsupported);
+        }
+        let features = params.return_features.then(|| PendingFeatures {
+            first: 0,
+            dim: model.config().d_model,
+            rows: Vec::new(),
+        });
         Ok(Session {
             params,
             cache: model.new_cache()?,
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
             finish: None,
+            features,
         })
     }
 
@@ -199,6 +252,7 @@ impl<M: TreeModel> Session<M> {
         &mut self,
         model: &M,
         tree: &TokenTree,
+        logits: &specinfer_model::Logits,
         verdict: Verdict,
     ) -> Result<RoundOutcome, SessionError> {
         let mut tokens = verdict.tokens(tree);
@@ -217,12 +271,17 @@ impl<M: TreeModel> Session<M> {
         model.keep_path(&mut self.cache, &path)?;
         self.tokens.extend(&tokens);
         self.finish = finish;
+        let features = self.features.as_mut().map(|f| {
+            f.push(logits, path.iter().map(|&n| n as usize));
+            f.take()
+        });
         Ok(RoundOutcome {
             accepted_nodes: verdict.accepted,
             tokens,
             finish,
             accepted_at_depth: verdict.accepted_at_depth,
             rejected_at_depth: verdict.rejected_at_depth,
+            features,
         })
     }
 
@@ -331,9 +390,13 @@ pub fn run_batch<M: TreeModel>(
                     *result = Some(match w {
                         Work::Verify(_) => {
                             let verdict = s.decide(tree, l);
-                            s.commit(model, tree, verdict).map(Done::Round)
+                            s.commit(model, tree, l, verdict).map(Done::Round)
                         }
                         Work::Prefill { .. } => {
+                            if let Some(f) = &mut s.features {
+                                f.push(l, 0..tree.len());
+                                f.keep_last(PROMPT_FEATURE_ROWS);
+                            }
                             let all: Vec<u32> = (0..tree.len() as u32).collect();
                             model
                                 .keep_path(&mut s.cache, &all)

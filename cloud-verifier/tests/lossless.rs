@@ -440,9 +440,10 @@ fn mss_accepts_more_than_naive_sampling_on_the_same_trees() {
 mod end_to_end {
     use super::chi_square_p;
     use specinfer_kernels::sampling::distribution;
-    use specinfer_model::{Arch, KvCache, Llama, ModelConfig, SeqTree};
+    use specinfer_model::{Arch, FeatureDrafter, KvCache, Llama, ModelConfig, SeqTree};
     use specinfer_speculator::{
-        CachedDraft, ContextLookup, DraftMode, Drafter, RoundDriver, Speculator, TreeShape,
+        CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
+        Speculator, TreeShape,
     };
     use specinfer_verifier::Session;
     use specinfer_wire::*;
@@ -509,9 +510,9 @@ mod end_to_end {
 
     /// Counts of (first, second) generated token over `trials` generations, every verdict
     /// carrying `node_cap` (0: none), as a busy verifier's do.
-    fn sample_pairs(
+    fn sample_pairs<'d>(
         llm: &Llama,
-        ssm: &Llama,
+        draft: &dyn Fn() -> Box<dyn DraftModel + Send + 'd>,
         shape: &TreeShape,
         draw: DrawMode,
         trials: usize,
@@ -538,12 +539,13 @@ mod end_to_end {
                     },
                     trial ^ 0xd1ce,
                 ),
-                drafts: vec![Box::new(CachedDraft::new(ssm))],
+                drafts: vec![draft()],
             };
             let mut driver = RoundDriver::new(PROMPT.to_vec(), params.clone(), Some(drafter))
                 .unwrap()
                 .with_lookup(Some(ContextLookup::default()));
-            let mut session = Session::open(llm, &PROMPT, params, &limits).unwrap();
+            let (prompt, params) = driver.open_request();
+            let mut session = Session::open(llm, &prompt, params, &limits).unwrap();
             let mut round = 0;
             // A clock moving a millisecond a reading: the adaptive tree sees costs to weigh.
             let now = std::cell::Cell::new(0.0);
@@ -601,6 +603,7 @@ mod end_to_end {
     fn sampled_trees_through_client_wire_and_verifier_keep_the_llms_joint() {
         let (llm, ssm) = (tiny(1), tiny(2));
         let joint = joint(&llm);
+        let ssm = || Box::new(CachedDraft::new(&ssm)) as Box<dyn DraftModel + Send>;
         for shape in [
             TreeShape::Dynamic { budget: 8 },
             TreeShape::AdaptiveDynamic { budget: 8 },
@@ -639,5 +642,40 @@ mod end_to_end {
             pv < 1e-3,
             "misdeclared proposals passed: the test has no power (p-value {pv})"
         );
+    }
+
+    /// The feature-conditioned drafter: the verifier returns the LLM's features with each
+    /// verdict (8-bit rows through the wire) and the drafter draws its tree from them; its head
+    /// covers six of the eight tokens, so its proposals are exactly 0 on the other two.
+    #[test]
+    fn feature_drafted_trees_keep_the_llms_joint() {
+        let llm = tiny(1);
+        let drafter =
+            FeatureDrafter::random(VOCAB, llm.config().d_model, &[0, 1, 2, 3, 5, 6], 3).unwrap();
+        let joint = joint(&llm);
+        let draft = || Box::new(FeatureDraft::new(&drafter)) as Box<dyn DraftModel + Send>;
+        for (shape, draw) in [
+            (
+                TreeShape::Dynamic { budget: 8 },
+                DrawMode::WithoutReplacement,
+            ),
+            (TreeShape::Expansion(vec![2, 2]), DrawMode::Iid),
+        ] {
+            let counts = sample_pairs(&llm, &draft, &shape, draw, 12_000, false, 0);
+            let pv = chi_square_p(&counts, &joint);
+            println!("feature draft, {shape} {draw:?}: p-value {pv:.4}");
+            assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
+        }
+        let counts = sample_pairs(
+            &llm,
+            &draft,
+            &TreeShape::Dynamic { budget: 8 },
+            DrawMode::WithoutReplacement,
+            12_000,
+            true,
+            0,
+        );
+        let pv = chi_square_p(&counts, &joint);
+        assert!(pv < 1e-3, "misdeclared proposals passed (p-value {pv})");
     }
 }

@@ -79,3 +79,62 @@ fn a_reopened_sampled_session_continues_the_same_stream() {
     run(&mut other, 24);
     assert_ne!(other.tokens(), whole.tokens());
 }
+
+/// A session that asks for features gets, with each verdict, the LLM's feature of every
+/// position it ran and kept (the first verdict also the prompt's), consecutive from where the
+/// last verdict stopped, equal (within the 8-bit step) to the LLM's own along the committed
+/// tokens: a drafter on the edge reads exactly what the LLM computed.
+#[test]
+fn verdicts_carry_the_llms_features_of_the_committed_positions() {
+    let model = Llama::random(ModelConfig::tiny(Arch::Llama), 1, None).unwrap();
+    let limits = Limits::default();
+    let params = SamplingParams {
+        return_features: true,
+        ..SamplingParams::greedy(12)
+    };
+    let prompt = [3u32, 14, 15, 92, 65];
+    let mut session = Session::open(&model, &prompt, params, &limits).unwrap();
+    let mut next_position = 0;
+    let mut rows = Vec::new();
+    for _ in 0..4 {
+        // A chain guessed from nothing: mostly rejected, sometimes a token accepted.
+        let tree = TokenTree::chain(&[session.root(), 7, 8]);
+        let out = session.verify(&model, &limits, &tree).unwrap();
+        let f = out.features.expect("the session asked for features");
+        assert_eq!(f.first_position as usize, next_position);
+        f.validate(1024).unwrap();
+        next_position += f.rows();
+        rows.extend(
+            f.dequantize()
+                .chunks(f.dim as usize)
+                .zip(f.scales.clone())
+                .map(|(r, s)| (r.to_vec(), s)),
+        );
+    }
+    // Every committed position but the last (the next root, not yet run).
+    assert_eq!(next_position, session.tokens().len() - 1);
+    let committed = &session.tokens()[..next_position];
+    let mut kv = specinfer_model::KvCache::new(model.config());
+    let chain = TokenTree::chain(committed);
+    let reference = model
+        .forward(&mut [specinfer_model::SeqTree::new(&mut kv, &chain)])
+        .unwrap()
+        .remove(0);
+    for (p, (row, scale)) in rows.iter().enumerate() {
+        let exact = reference.feature(p).unwrap();
+        for (a, b) in row.iter().zip(exact) {
+            assert!(
+                (a - b).abs() <= scale * 0.5 + 1e-4,
+                "position {p}: {a} vs {b}"
+            );
+        }
+    }
+    // A session that did not ask gets none.
+    let mut plain = Session::open(&model, &prompt, SamplingParams::greedy(4), &limits).unwrap();
+    let tree = TokenTree::root(plain.root());
+    assert!(plain
+        .verify(&model, &limits, &tree)
+        .unwrap()
+        .features
+        .is_none());
+}

@@ -12,5 +12,6 @@ pub use client::{Client, ClientError, EmulatedRoundTrip, Generation};
 #[cfg(feature = "embedded-verifier")]
 pub use embedded::EmbeddedVerifier;
 pub use setup::{
-    ClientOptions, ClientSetup, Decoding, DraftBackend, SetupError, SetupEvent, VerifierChoice,
+    ClientOptions, ClientSetup, Decoding, DraftBackend, DraftSource, SetupError, SetupEvent,
+    VerifierChoice,
 };

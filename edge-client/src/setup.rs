@@ -9,12 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use specinfer_model::fetch::{self, FetchEvent};
-use specinfer_model::{gguf_tokenizer_and_context, load_gguf, ChatMessage, Llama, Tokenizer};
+use specinfer_model::{
+    gguf_tokenizer_and_context, load_gguf, ChatMessage, FeatureDrafter, Llama, Tokenizer,
+};
 use specinfer_net::{NetError, RemoteConfig, Trust};
 use specinfer_onnx::OnnxModel;
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, RoundError,
-    Speculator, TreeScorer, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
+    RoundError, Speculator, TreeScorer, TreeShape,
 };
 use specinfer_wire::{Limits, SamplingParams, VerifyMode};
 
@@ -157,9 +159,27 @@ pub fn parse_tree(tree: &str) -> Result<Option<TreeShape>> {
 }
 
 /// Everything a generation needs, set up once.
+/// A loaded draft model, shared by every generation of the setup.
+pub enum DraftSource {
+    /// A standalone SSM (candle or ONNX Runtime), or the LLM itself.
+    Scorer(Arc<dyn TreeScorer + Send>),
+    /// A feature-conditioned drafter: its sessions ask the verifier for the LLM's features.
+    Feature(Arc<FeatureDrafter>),
+}
+
+impl DraftSource {
+    /// A generation's draft state over this model.
+    pub fn draft(&self) -> Box<dyn DraftModel + Send + '_> {
+        match self {
+            DraftSource::Scorer(m) => Box::new(CachedDraft::new(m.as_ref())),
+            DraftSource::Feature(m) => Box::new(FeatureDraft::new(m)),
+        }
+    }
+}
+
 pub struct ClientSetup {
     pub tok: Arc<Tokenizer>,
-    pub ssms: Vec<Arc<dyn TreeScorer + Send>>,
+    pub drafts: Vec<DraftSource>,
     /// The drafted trees' shape; `None`: incremental decoding.
     pub tree: Option<TreeShape>,
     /// The request defaults (`max_tokens`, decoding, the tokenizer's stop tokens); see
@@ -218,7 +238,7 @@ impl ClientSetup {
             stop_ids: tok.eos().to_vec(),
             ..params
         };
-        let ssms = match &tree {
+        let drafts = match &tree {
             Some(_) => load_drafts(opts, &tok, llm.as_ref(), progress)?,
             None => Vec::new(),
         };
@@ -226,7 +246,7 @@ impl ClientSetup {
         let (remote, embedded) = verifier(opts, &tok, llm)?;
         Ok(ClientSetup {
             tok,
-            ssms,
+            drafts,
             tree,
             params,
             seed: match opts.decoding {
@@ -292,11 +312,7 @@ impl ClientSetup {
     ) -> Result<RoundDriver<'_>> {
         let drafter = self.tree.as_ref().map(|shape| Drafter {
             speculator: Speculator::for_request(shape.clone(), draft_mode, params.seed),
-            drafts: self
-                .ssms
-                .iter()
-                .map(|m| Box::new(CachedDraft::new(m.as_ref())) as Box<dyn DraftModel + Send>)
-                .collect(),
+            drafts: self.drafts.iter().map(DraftSource::draft).collect(),
         });
         Ok(RoundDriver::new(ids.to_vec(), params, drafter)?
             .with_lookup(self.lookup)
@@ -355,8 +371,8 @@ fn load_drafts(
     tok: &Tokenizer,
     llm: Option<&Arc<Llama>>,
     progress: &mut dyn FnMut(&SetupEvent),
-) -> Result<Vec<Arc<dyn TreeScorer + Send>>> {
-    let mut ssms: Vec<Arc<dyn TreeScorer + Send>> = Vec::new();
+) -> Result<Vec<DraftSource>> {
+    let mut ssms: Vec<DraftSource> = Vec::new();
     for path in &opts.ssms {
         if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
             return Err(SetupError::Invalid(format!(
@@ -367,13 +383,19 @@ fn load_drafts(
             progress(&SetupEvent::Note(
                 "drafting with the LLM itself: full acceptance, no speed-up".into(),
             ));
-            ssms.push(llm.expect("loaded for self-drafting").clone());
+            ssms.push(DraftSource::Scorer(
+                llm.expect("loaded for self-drafting").clone(),
+            ));
             continue;
         }
         let p = Path::new(path);
         let loading = |e: specinfer_model::ModelError| {
             SetupError::from(e).context(format!("loading SSM {path}"))
         };
+        if p.is_dir() && FeatureDrafter::is_feature_draft(p) {
+            ssms.push(load_feature_drafter(p, tok, opts, progress)?);
+            continue;
+        }
         let (m, ssm_sha) = if p.is_dir() {
             let m = Llama::from_safetensors(p).map_err(loading)?;
             (m, ssm_folder_tokenizer_sha(p, tok)?)
@@ -402,12 +424,45 @@ fn load_drafts(
                     "drafting with {} through ONNX Runtime",
                     onnx.display()
                 )));
-                ssms.push(Arc::new(model));
+                ssms.push(DraftSource::Scorer(Arc::new(model)));
             }
-            DraftBackend::Candle => ssms.push(Arc::new(m)),
+            DraftBackend::Candle => ssms.push(DraftSource::Scorer(Arc::new(m))),
         }
     }
+    if ssms.len() > 1 && ssms.iter().any(|s| matches!(s, DraftSource::Feature(_))) {
+        return Err(SetupError::Invalid(
+            "a feature-conditioned drafter drafts alone: give it as the only --ssm".into(),
+        ));
+    }
     Ok(ssms)
+}
+
+/// A feature-conditioned drafter folder (`"specinfer_draft": "feature"` in its config), checked
+/// to have the LLM's tokenizer. It runs on candle only (its ONNX export is not built yet), and
+/// reads features that only a verifier serving the same LLM sends.
+fn load_feature_drafter(
+    dir: &Path,
+    tok: &Tokenizer,
+    opts: &ClientOptions,
+    progress: &mut dyn FnMut(&SetupEvent),
+) -> Result<DraftSource> {
+    let path = dir.display();
+    if ssm_folder_tokenizer_sha(dir, tok)? != tok.sha256() {
+        return Err(SetupError::Invalid(format!(
+            "the drafter {path} has another tokenizer than the LLM: token ids would not agree"
+        )));
+    }
+    if matches!(opts.backend, DraftBackend::Onnx) {
+        return Err(SetupError::Invalid(format!(
+            "{path} is a feature-conditioned drafter, which runs on the candle backend only: drop --backend onnx"
+        )));
+    }
+    let m = FeatureDrafter::from_safetensors(dir)
+        .map_err(|e| SetupError::from(e).context(format!("loading drafter {path}")))?;
+    progress(&SetupEvent::Note(format!(
+        "drafting from the LLM's features with {path} (the verifier must serve the LLM it was trained on)"
+    )));
+    Ok(DraftSource::Feature(Arc::new(m)))
 }
 
 /// The verifier to reach, and the embedded one started for it.

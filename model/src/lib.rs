@@ -6,6 +6,7 @@
 mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod feature;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 mod kv;
@@ -16,6 +17,7 @@ mod tokenizer;
 mod tree_model;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
+pub use feature::{FeatureDrafter, FEATURE_DRAFT_KIND};
 pub use kv::KvCache;
 pub use llama::{Llama, Logits, SeqTree};
 pub use load::quantize_rows_u8;

@@ -95,7 +95,7 @@ pub(crate) struct Linear {
 
 impl Linear {
     /// `x` is `[rows, in]` row-major; returns `[rows, out]`.
-    fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+    pub(crate) fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         let mut y = match &self.w {
             Weight::Quant(m) => {
                 let mut y = vec![0f32; rows * m.rows()];
@@ -198,17 +198,34 @@ impl<'a> SeqTree<'a> {
     }
 }
 
-/// Logits for every computed node of one tree (`first..`), `[nodes, vocab]`.
+/// Logits for every computed node of one tree (`first..`), `[nodes, vocab]`, and (from engines
+/// that give them) each node's feature: the final hidden state after the last norm, the LM
+/// head's input, `[nodes, d_model]`. A feature-conditioned drafter predicts the next token from
+/// the LLM's features, so a verifier can send them back with the tokens it emits.
 #[derive(Clone, Debug)]
 pub struct Logits {
     data: Vec<f32>,
     vocab: usize,
+    /// `[nodes, feature_dim]`; empty when the engine gave none.
+    features: Vec<f32>,
+    feature_dim: usize,
 }
 
 impl Logits {
-    /// Logits of `data.len() / vocab` nodes, row after row.
+    /// Logits of `data.len() / vocab` nodes, row after row, without features.
     pub fn from_rows(data: Vec<f32>, vocab: usize) -> Self {
-        Logits { data, vocab }
+        Logits {
+            data,
+            vocab,
+            features: Vec::new(),
+            feature_dim: 0,
+        }
+    }
+
+    /// Node `i`'s feature (`d_model` floats); `None` when the engine gave none.
+    pub fn feature(&self, i: usize) -> Option<&[f32]> {
+        let d = self.feature_dim;
+        self.features.get(i * d..(i + 1) * d).filter(|_| d > 0)
     }
 
     pub fn node(&self, i: usize) -> &[f32] {
@@ -230,6 +247,11 @@ impl Llama {
         self.head_ids.as_ref().map_or(self.cfg.vocab_size, Vec::len)
     }
 
+    /// The final norm's weights (a feature-conditioned drafter starts from them).
+    pub fn final_norm_weights(&self) -> &[f32] {
+        &self.final_norm
+    }
+
     /// The token embedding table, `[vocab, d_model]` (to initialise draft models from).
     pub fn token_embeddings(&self) -> &[f32] {
         &self.embed
@@ -244,7 +266,7 @@ impl Llama {
         // still spinning; run from outside, each would be a cross-thread injection and a
         // blocking wait (about 300 per forward of SmolLM2).
         let all = vec![true; seqs.len()];
-        rayon::scope(|_| self.forward_in_pool(seqs, &all))
+        rayon::scope(|_| self.forward_in_pool(seqs, &all, None))
     }
 
     /// [`Llama::forward`] computing logits only for the sequences whose `logits` entry is true;
@@ -256,7 +278,7 @@ impl Llama {
         logits: &[bool],
     ) -> Result<Vec<Logits>> {
         assert_eq!(seqs.len(), logits.len(), "one logits flag per sequence");
-        rayon::scope(|_| self.forward_in_pool(seqs, logits))
+        rayon::scope(|_| self.forward_in_pool(seqs, logits, None))
     }
 
     /// Runs `tokens` as a chain on top of the cache and commits them, computing no logits: a
@@ -264,14 +286,40 @@ impl Llama {
     /// restricted head, a row of the whole vocabulary per token) would cost more than its layers.
     pub fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<()> {
         let tree = TokenTree::chain(tokens);
-        rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], &[false]))?;
+        rayon::scope(|_| self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], &[false], None))?;
         cache.commit_scratch();
         Ok(())
     }
 
+    /// [`Llama::forward`] of one sequence whose nodes `first..` enter the first layer as the
+    /// given rows (`[nodes, d_model]`) instead of their tokens' embeddings: a feature-conditioned
+    /// drafter feeds the layers a projection of the previous token's feature and this token's
+    /// embedding. The tree's tokens still set positions and the mask.
+    /// Without `logits`, only features (the head is skipped).
+    pub fn forward_rows(&self, seq: SeqTree<'_>, inputs: &[f32], logits: bool) -> Result<Logits> {
+        let nodes = seq.tree.len() - seq.first;
+        if inputs.len() != nodes * self.cfg.d_model {
+            return Err(ModelError::Format {
+                path: "<input>".into(),
+                message: format!(
+                    "{} input floats for {nodes} nodes of width {}",
+                    inputs.len(),
+                    self.cfg.d_model
+                ),
+            });
+        }
+        let mut seqs = [seq];
+        Ok(rayon::scope(|_| self.forward_in_pool(&mut seqs, &[logits], Some(inputs)))?.remove(0))
+    }
+
     /// The forward of [`Llama::forward_selected`]: the head runs only on the rows of sequences
-    /// whose `want` entry is true.
-    fn forward_in_pool(&self, seqs: &mut [SeqTree<'_>], want: &[bool]) -> Result<Vec<Logits>> {
+    /// whose `want` entry is true; `inputs`, when given, replaces the embeddings of all rows.
+    fn forward_in_pool(
+        &self,
+        seqs: &mut [SeqTree<'_>],
+        want: &[bool],
+        inputs: Option<&[f32]>,
+    ) -> Result<Vec<Logits>> {
         let cfg = &self.cfg;
         let (d, hd) = (cfg.d_model, cfg.head_dim);
         let shape = AttentionShape {
@@ -318,10 +366,16 @@ impl Llama {
         let rows = tokens.len();
         let (cos, sin) = rope_tables(cfg, &positions);
 
-        let mut x = Vec::with_capacity(rows * d);
-        for &t in &tokens {
-            x.extend_from_slice(&self.embed[t * d..(t + 1) * d]);
-        }
+        let mut x = match inputs {
+            Some(rows) => rows.to_vec(),
+            None => {
+                let mut x = Vec::with_capacity(rows * d);
+                for &t in &tokens {
+                    x.extend_from_slice(&self.embed[t * d..(t + 1) * d]);
+                }
+                x
+            }
+        };
         let mut attn = vec![0f32; rows * q_row];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
@@ -368,17 +422,25 @@ impl Llama {
             .filter(|(_, &w)| w)
             .map(|(n, _)| n)
             .sum();
-        let mut out: Vec<Logits> = seqs
+        // Every node's feature (the head's input); cheap next to the head itself.
+        let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
+        let mut start = 0;
+        let mut out: Vec<Logits> = counts
             .iter()
-            .map(|_| Logits {
-                data: Vec::new(),
-                vocab,
+            .map(|&n| {
+                let features = h[start * d..(start + n) * d].to_vec();
+                start += n;
+                Logits {
+                    data: Vec::new(),
+                    vocab,
+                    features,
+                    feature_dim: d,
+                }
             })
             .collect();
         if wanted_rows == 0 {
             return Ok(out);
         }
-        let h = rms_norm(&x, &self.final_norm, cfg.rms_eps);
         // The head's input: every row, or (some sequences want no logits) the wanted rows.
         let h = if wanted_rows == rows {
             h

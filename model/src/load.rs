@@ -299,6 +299,19 @@ impl Llama {
         })
     }
 
+    /// A model from f32 tensors in Hugging Face naming, its head tied to its embedding.
+    pub(crate) fn from_tensor_map(
+        cfg: ModelConfig,
+        tensors: HashMap<String, Tensor>,
+    ) -> Result<Llama> {
+        let mut w = Weights {
+            path: "<tensors>".into(),
+            tensors,
+            quantize: None,
+        };
+        Self::from_named_tensors(cfg, &mut w, true)
+    }
+
     /// A model with random weights in Hugging Face naming, for tests: fast to build, exercises
     /// every code path, and `quantize` makes its projections a GGML quantized type.
     pub fn random(cfg: ModelConfig, seed: u64, quantize: Option<GgmlDType>) -> Result<Llama> {

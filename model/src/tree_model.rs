@@ -34,6 +34,10 @@ pub trait TreeModel: Send + Sync {
     /// Keeps the nodes of `path` (strictly increasing node indices of the last tree) as
     /// committed positions and drops the rest of the scratch region.
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()>;
+
+    /// Whether [`TreeModel::forward_trees`] gives every node's feature ([`Logits::feature`]),
+    /// which a session asks for to feed a feature-conditioned drafter.
+    fn gives_features(&self) -> bool;
 }
 
 impl TreeModel for Llama {
@@ -70,6 +74,10 @@ impl TreeModel for Llama {
     fn keep_path(&self, cache: &mut KvCache, path: &[u32]) -> Result<()> {
         cache.compact(path);
         Ok(())
+    }
+
+    fn gives_features(&self) -> bool {
+        true
     }
 }
 
@@ -112,5 +120,10 @@ impl TreeModel for crate::cuda::CudaLlama {
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()> {
         self.compact(cache, path)
+    }
+
+    /// Not yet: its forward keeps the final hidden states on the device.
+    fn gives_features(&self) -> bool {
+        false
     }
 }

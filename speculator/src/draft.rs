@@ -11,6 +11,23 @@ pub trait DraftModel {
     /// Logits of tree nodes `first..`; nodes before `first` were scored by earlier calls on the
     /// same tree since the last `sync`.
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError>;
+
+    /// Whether the draft reads the LLM's features ([`crate::FeatureDraft`]): its sessions then
+    /// ask the verifier for them.
+    fn wants_features(&self) -> bool {
+        false
+    }
+
+    /// The LLM's features (`[rows, dim]`) of consecutive committed positions from
+    /// `first_position`, as a verdict brought them.
+    fn take_features(&mut self, _first_position: usize, _rows: &[f32], _dim: usize) {}
+
+    /// Whether it can draft a tree rooted at the last of `committed` now (a feature-conditioned
+    /// draft needs the LLM's feature of the token before the root); if not, the round's tree is
+    /// the root alone.
+    fn ready(&self, _committed: &[u32]) -> bool {
+        true
+    }
 }
 
 /// A borrowed draft model drafts as itself (a caller keeps its draft caches across answers).
@@ -21,6 +38,15 @@ impl<T: DraftModel + ?Sized> DraftModel for &mut T {
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
         (**self).extend(tree, first)
     }
+    fn wants_features(&self) -> bool {
+        (**self).wants_features()
+    }
+    fn take_features(&mut self, first_position: usize, rows: &[f32], dim: usize) {
+        (**self).take_features(first_position, rows, dim)
+    }
+    fn ready(&self, committed: &[u32]) -> bool {
+        (**self).ready(committed)
+    }
 }
 
 impl<T: DraftModel + ?Sized> DraftModel for Box<T> {
@@ -29,6 +55,15 @@ impl<T: DraftModel + ?Sized> DraftModel for Box<T> {
     }
     fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
         (**self).extend(tree, first)
+    }
+    fn wants_features(&self) -> bool {
+        (**self).wants_features()
+    }
+    fn take_features(&mut self, first_position: usize, rows: &[f32], dim: usize) {
+        (**self).take_features(first_position, rows, dim)
+    }
+    fn ready(&self, committed: &[u32]) -> bool {
+        (**self).ready(committed)
     }
 }
 

@@ -6,6 +6,7 @@ pub mod controller;
 pub mod draft;
 mod dynamic;
 mod expansion;
+pub mod feature;
 pub mod lookup;
 pub mod merge;
 pub mod round;
@@ -18,6 +19,7 @@ pub use controller::{
 };
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use dynamic::GrowthCosts;
+pub use feature::FeatureDraft;
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use merge::merge_trees;
 pub use round::{

@@ -193,8 +193,13 @@ impl<'a> RoundDriver<'a> {
             .max_new_tokens
             .saturating_sub(self.generated().len() as u32)
             .max(1);
+        let return_features = self
+            .drafter
+            .as_ref()
+            .is_some_and(|d| d.drafts.iter().any(|m| m.wants_features()));
         let params = SamplingParams {
             max_new_tokens: left,
+            return_features,
             ..self.params.clone()
         };
         (self.committed.clone(), params)
@@ -255,7 +260,12 @@ impl<'a> RoundDriver<'a> {
                 tree
             }
             (_, None) => TokenTree::root(root),
-            (_, Some(d)) if !d.speculator.drafts_next() => TokenTree::root(root),
+            (_, Some(d))
+                if !d.speculator.drafts_next()
+                    || !d.drafts.iter().all(|m| m.ready(&self.committed)) =>
+            {
+                TokenTree::root(root)
+            }
             (_, Some(d)) if d.drafts.len() == 1 => {
                 // Catching the draft up on the committed tokens (the whole prompt, in the first
                 // round) is not part of the per-level cost the adaptive depth weighs.
@@ -310,7 +320,8 @@ impl<'a> RoundDriver<'a> {
         else {
             return;
         };
-        if d.drafts.len() == 1 && d.speculator.drafts_next() {
+        // A feature-conditioned draft has no LLM features of a guessed outcome.
+        if d.drafts.len() == 1 && d.speculator.drafts_next() && !d.drafts[0].wants_features() {
             self.ahead = d
                 .speculator
                 .draft_ahead(&mut d.drafts[0], &self.committed, tree)
@@ -360,6 +371,12 @@ impl<'a> RoundDriver<'a> {
         if let Some(d) = &mut self.drafter {
             d.speculator.set_node_price(node_price);
             d.speculator.observe(observed);
+            if let Some(f) = &v.features {
+                let rows = f.dequantize();
+                for m in &mut d.drafts {
+                    m.take_features(f.first_position as usize, &rows, f.dim as usize);
+                }
+            }
         }
         self.stats.rounds += 1;
         self.stats.accepted_per_round.push(v.tokens.len());

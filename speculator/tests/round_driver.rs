@@ -135,6 +135,7 @@ impl ScriptedVerifier {
                 node_price_ns: self.load.0,
                 node_cap: self.load.1,
             },
+            features: None,
         }
     }
 }

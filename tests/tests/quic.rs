@@ -187,6 +187,7 @@ async fn seeded_sampling_over_quic_is_reproducible() {
         seed,
         max_new_tokens: 32,
         stop_ids: Vec::new(),
+        return_features: false,
     };
     let mode = DraftMode::Sample {
         temperature: 0.9,
@@ -223,6 +224,7 @@ async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() 
         seed: 5,
         max_new_tokens: 48,
         stop_ids: Vec::new(),
+        return_features: false,
     };
     let sample_draft = DraftMode::Sample {
         temperature: 0.5,
@@ -292,6 +294,7 @@ async fn sixteen_concurrent_sessions_each_equal_their_solo_run() {
                 seed: i as u64,
                 max_new_tokens: 12,
                 stop_ids: Vec::new(),
+                return_features: false,
             }
         }
     };

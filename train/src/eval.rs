@@ -42,7 +42,7 @@ pub struct Report {
 }
 
 /// Log-likelihood order of the five best tokens of `logits`.
-fn top5(logits: &[f32]) -> [u32; 5] {
+pub(crate) fn top5(logits: &[f32]) -> [u32; 5] {
     let mut best = [(f32::NEG_INFINITY, u32::MAX); 5];
     for (t, &l) in logits.iter().enumerate() {
         if l > best[4].0 {
@@ -205,6 +205,24 @@ pub fn tau_decoding(
     lookup: Option<ContextLookup>,
     temperature: Option<f32>,
 ) -> Result<f64> {
+    let drafts = || {
+        ssms.iter()
+            .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
+            .collect()
+    };
+    tau_decoding_with(llm, &drafts, prompts, max_new, shape, lookup, temperature)
+}
+
+/// [`tau_decoding`] with the draft models `drafts` makes for each prompt.
+pub fn tau_decoding_with<'d>(
+    llm: &Llama,
+    drafts: &dyn Fn() -> Vec<Box<dyn DraftModel + Send + 'd>>,
+    prompts: &[&[u32]],
+    max_new: u32,
+    shape: &TreeShape,
+    lookup: Option<ContextLookup>,
+    temperature: Option<f32>,
+) -> Result<f64> {
     let (mut tokens, mut rounds) = (0usize, 0usize);
     for (i, prompt) in prompts.iter().enumerate() {
         let (params, mode) = match temperature {
@@ -221,10 +239,7 @@ pub fn tau_decoding(
         };
         let drafter = Drafter {
             speculator: Speculator::for_request(shape.clone(), mode, params.seed),
-            drafts: ssms
-                .iter()
-                .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
-                .collect(),
+            drafts: drafts(),
         };
         let mut driver =
             RoundDriver::new(prompt.to_vec(), params, Some(drafter))?.with_uncut_lookup(lookup);

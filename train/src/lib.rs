@@ -3,6 +3,8 @@
 
 pub mod data;
 pub mod eval;
+pub mod feature;
+pub mod feature_pipeline;
 pub mod ssm;
 pub mod teacher;
 pub mod train;

@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_model::{fetch, load_gguf, Llama};
-use specinfer_train::{data, eval, ssm, teacher, train};
+use specinfer_train::{data, eval, feature_pipeline, ssm, teacher, train};
 
 #[derive(Parser)]
 #[command(
@@ -33,6 +33,9 @@ enum Command {
     /// Tokens per LLM pass (tau) of an SSM on held-out ShareGPT prompts, greedy and sampling,
     /// for each tree shape given: what a tree or drafter change is judged by.
     Tau(TauArgs),
+    /// Train (or only evaluate) the feature-conditioned drafter: EAGLE's one layer over the
+    /// LLM's own features, which the verifier returns with its verdicts.
+    FeatureDraft(feature_pipeline::Args),
 }
 
 #[derive(clap::Args)]
@@ -170,6 +173,10 @@ fn main() -> Result<()> {
         Command::Boost(b) => boost(b),
         Command::Eval(e) => eval_ensemble(e),
         Command::Tau(t) => tau_table(t),
+        Command::FeatureDraft(a) => {
+            let (llm, tok) = load_llm(&None)?;
+            feature_pipeline::run(a, &llm, &tok, fetch::SMOLLM2_135M.file_name)
+        }
     }
 }
 

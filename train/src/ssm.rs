@@ -40,16 +40,89 @@ pub struct Ssm {
     vars: Vec<(String, Var)>,
 }
 
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps as f64)?.sqrt()?)?
         .broadcast_mul(w)
 }
 
 /// `x @ w^T` for a 3-d `x`.
-fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let (b, l, d) = x.dims3()?;
     x.reshape((b * l, d))?.matmul(&w.t()?)?.reshape((b, l, ()))
+}
+
+/// What every layer of a causal forward over `l` positions shares: RoPE tables (`[l, hd]`,
+/// dimension `i` paired with `i + hd / 2`) and the causal mask.
+pub(crate) struct Causal {
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+}
+
+impl Causal {
+    pub(crate) fn new(l: usize, hd: usize, theta: f32, dev: &Device) -> candle_core::Result<Self> {
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| theta.powf(-(2.0 * i as f32) / hd as f32))
+            .collect();
+        let ang: Vec<f32> = (0..l)
+            .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+            .collect();
+        let ang = Tensor::from_vec(ang, (l, hd / 2), dev)?;
+        let ang = Tensor::cat(&[&ang, &ang], 1)?;
+        let mask: Vec<f32> = (0..l)
+            .flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        Ok(Causal {
+            cos: ang.cos()?,
+            sin: ang.sin()?,
+            mask: Tensor::from_vec(mask, (l, l), dev)?,
+        })
+    }
+
+    fn rope(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        let hd = t.dim(D::Minus1)?;
+        let x1 = t.narrow(D::Minus1, 0, hd / 2)?;
+        let x2 = t.narrow(D::Minus1, hd / 2, hd / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        t.broadcast_mul(&self.cos)?
+            .add(&rotated.broadcast_mul(&self.sin)?)
+    }
+}
+
+/// One Llama decoder layer (no GQA) over `x` (`[batch, len, d]`), its weights by Hugging Face
+/// name within the layer (`self_attn.q_proj.weight`, ...).
+pub(crate) fn decoder_layer(
+    x: &Tensor,
+    get: &dyn Fn(&str) -> Tensor,
+    n_heads: usize,
+    rms_eps: f32,
+    causal: &Causal,
+) -> candle_core::Result<Tensor> {
+    let (b, l, d) = x.dims3()?;
+    let hd = d / n_heads;
+    let hn = rms_norm(x, &get("input_layernorm.weight"), rms_eps)?;
+    let split = |w: &str| -> candle_core::Result<Tensor> {
+        linear(&hn, &get(&format!("self_attn.{w}.weight")))?
+            .reshape((b, l, n_heads, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (q, k, v) = (
+        causal.rope(&split("q_proj")?)?,
+        causal.rope(&split("k_proj")?)?,
+        split("v_proj")?,
+    );
+    let att =
+        (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?.broadcast_add(&causal.mask)?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?;
+    let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))?;
+    let x = (x + linear(&o, &get("self_attn.o_proj.weight"))?)?;
+    let hn = rms_norm(&x, &get("post_attention_layernorm.weight"), rms_eps)?;
+    let g = linear(&hn, &get("mlp.gate_proj.weight"))?;
+    let u = linear(&hn, &get("mlp.up_proj.weight"))?;
+    let act = (candle_nn::ops::silu(&g)? * u)?;
+    x + linear(&act, &get("mlp.down_proj.weight"))?
 }
 
 impl Ssm {
@@ -162,65 +235,15 @@ impl Ssm {
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
         let (b, l) = ids.dims2()?;
-        let (d, h) = (cfg.d_model, cfg.n_heads);
-        let hd = d / h;
-        let dev = ids.device();
+        let d = cfg.d_model;
         let mut x = self
             .get(EMBED)
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, l, d))?;
-        // RoPE tables [l, hd]: cos/sin of position * theta^(-2i/hd), the half repeated twice.
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| cfg.rope_theta.powf(-(2.0 * i as f32) / hd as f32))
-            .collect();
-        let ang: Vec<f32> = (0..l)
-            .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
-            .collect();
-        let ang = Tensor::from_vec(ang, (l, hd / 2), dev)?;
-        let ang = Tensor::cat(&[&ang, &ang], 1)?;
-        let (cos, sin) = (ang.cos()?, ang.sin()?);
-        let rope = |t: &Tensor| -> candle_core::Result<Tensor> {
-            let x1 = t.narrow(D::Minus1, 0, hd / 2)?;
-            let x2 = t.narrow(D::Minus1, hd / 2, hd / 2)?;
-            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-            t.broadcast_mul(&cos)?.add(&rotated.broadcast_mul(&sin)?)
-        };
-        let mask: Vec<f32> = (0..l)
-            .flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (l, l), dev)?;
+        let causal = Causal::new(l, d / cfg.n_heads, cfg.rope_theta, ids.device())?;
         for i in 0..cfg.n_layers {
-            let p = format!("model.layers.{i}");
-            let hn = rms_norm(
-                &x,
-                self.get(&format!("{p}.input_layernorm.weight")),
-                cfg.rms_eps,
-            )?;
-            let split = |w: &str| -> candle_core::Result<Tensor> {
-                linear(&hn, self.get(&format!("{p}.self_attn.{w}.weight")))?
-                    .reshape((b, l, h, hd))?
-                    .transpose(1, 2)?
-                    .contiguous()
-            };
-            let (q, k, v) = (
-                rope(&split("q_proj")?)?,
-                rope(&split("k_proj")?)?,
-                split("v_proj")?,
-            );
-            let att =
-                (q.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))?;
-            x = (x + linear(&o, self.get(&format!("{p}.self_attn.o_proj.weight")))?)?;
-            let hn = rms_norm(
-                &x,
-                self.get(&format!("{p}.post_attention_layernorm.weight")),
-                cfg.rms_eps,
-            )?;
-            let g = linear(&hn, self.get(&format!("{p}.mlp.gate_proj.weight")))?;
-            let u = linear(&hn, self.get(&format!("{p}.mlp.up_proj.weight")))?;
-            let act = (candle_nn::ops::silu(&g)? * u)?;
-            x = (x + linear(&act, self.get(&format!("{p}.mlp.down_proj.weight")))?)?;
+            let get = |n: &str| self.get(&format!("model.layers.{i}.{n}")).clone();
+            x = decoder_layer(&x, &get, cfg.n_heads, cfg.rms_eps, &causal)?;
         }
         let x = rms_norm(&x, self.get("model.norm.weight"), cfg.rms_eps)?;
         linear(&x, self.get(HEAD))

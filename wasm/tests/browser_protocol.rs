@@ -224,6 +224,7 @@ fn answer(
                 forward_us: 0,
                 ..RoundStats::default()
             },
+            features: None,
         }));
         // The same answer again (a replayed or misrouted frame) is refused.
         let event: serde_json::Value =

@@ -5,11 +5,13 @@
 //! speaks exactly the same bytes as the native one.
 
 mod codec;
+mod features;
 mod hex;
 mod message;
 mod tree;
 
 pub use codec::{decode_frame, encode_frame, frame_len, DecodeError, FRAME_HEADER_BYTES};
+pub use features::{FeatureRows, MAX_FEATURE_DIM, PROMPT_FEATURE_ROWS};
 pub use hex::parse_sha256_hex;
 pub use message::*;
 pub use tree::{AncestorBits, DrawMode, Proposals, SparseDist, TokenTree, TreeError};
@@ -17,7 +19,7 @@ pub use tree::{AncestorBits, DrawMode, Proposals, SparseDist, TokenTree, TreeErr
 /// Version of the frame format and message set. A peer only accepts frames carrying exactly its own
 /// version, so a v1 peer rejects a v2 frame with [`DecodeError::UnsupportedVersion`] instead of
 /// misreading it.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// The largest top-K a sparse proposal distribution may carry.
 pub const MAX_PROPOSAL_K: usize = 64;

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Limits, TokenTree, TreeError};
+use crate::{FeatureRows, Limits, TokenTree, TreeError, PROMPT_FEATURE_ROWS};
 
 /// What identifies a model's token space: two sides only agree on token ids if all of this matches.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +71,9 @@ pub struct SamplingParams {
     pub seed: u64,
     pub max_new_tokens: u32,
     pub stop_ids: Vec<u32>,
+    /// Ask the verifier for the LLM's features of the tokens it runs ([`Verified::features`]),
+    /// for a feature-conditioned drafter; refused by a verifier whose engine cannot give them.
+    pub return_features: bool,
 }
 
 impl SamplingParams {
@@ -83,6 +86,7 @@ impl SamplingParams {
             seed: 0,
             max_new_tokens,
             stop_ids: Vec::new(),
+            return_features: false,
         }
     }
 }
@@ -158,6 +162,10 @@ pub struct Verified {
     pub tokens: Vec<u32>,
     pub finish: Option<FinishReason>,
     pub stats: RoundStats,
+    /// When the session asked for them: the LLM's features of the positions this round ran
+    /// and kept (the root and the accepted nodes, whose tokens precede the ones emitted), and in
+    /// a session's first verdict also the prompt's last [`PROMPT_FEATURE_ROWS`] positions.
+    pub features: Option<FeatureRows>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -297,7 +305,11 @@ impl Message {
                     v.accepted_nodes.len(),
                     limits.max_tree_nodes,
                 )?;
-                bound("round tokens", v.tokens.len(), limits.max_tree_nodes + 1)
+                bound("round tokens", v.tokens.len(), limits.max_tree_nodes + 1)?;
+                match &v.features {
+                    Some(f) => f.validate(limits.max_tree_nodes as usize + PROMPT_FEATURE_ROWS),
+                    None => Ok(()),
+                }
             }
             Message::Resumed { committed, .. } => bound(
                 "committed tokens",

@@ -86,6 +86,7 @@ fn params_strategy() -> impl Strategy<Value = SamplingParams> {
                 seed,
                 max_new_tokens,
                 stop_ids,
+                return_features: false,
             },
         )
 }
@@ -158,6 +159,7 @@ fn message_strategy() -> impl Strategy<Value = Message> {
                         forward_us: 1000,
                         ..RoundStats::default()
                     },
+                    features: None,
                 })
             ),
         ("[ -~]{0,200}", prop::option::of(any::<u64>())).prop_map(|(message, session)| {

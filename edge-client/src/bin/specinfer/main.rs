@@ -81,6 +81,9 @@ struct CommonArgs {
     /// Draft model: a folder with model.safetensors + config.json (as written by
     /// specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
     /// acceptance, not speed). Repeat to draft with several models and merge their trees.
+    /// models/feature-draft is a feature-conditioned drafter: it drafts from the LLM's own
+    /// features, which the verifier then returns (about 0.6 KB per accepted token), so it
+    /// needs a verifier serving the LLM it was trained on (SmolLM2-135M-Instruct).
     #[arg(long, default_value = DEFAULT_SSM)]
     ssm: Vec<String>,
     /// What runs the draft models: "candle" (specinfer's own kernels) or "onnx" (ONNX Runtime,
