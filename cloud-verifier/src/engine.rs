@@ -149,6 +149,9 @@ enum Request {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: SyncSender<Request>,
+    /// Where `Detach` and `Close` go when the queue is full: never dropped (a dropped notice
+    /// kept a session's KV until its idle timeout), and bounded in fact, one per session.
+    notices: std::sync::mpsc::Sender<Request>,
 }
 
 impl EngineHandle {
@@ -231,12 +234,17 @@ impl EngineHandle {
 
     /// The session's stream vanished: keep it for the grace period.
     pub fn detach(&self, id: SessionId) {
-        // A full queue drops the notice; the idle timeout reclaims the session instead.
-        let _ = self.tx.try_send(Request::Detach { id });
+        self.notify(Request::Detach { id });
     }
 
     pub fn close(&self, id: SessionId) {
-        let _ = self.tx.try_send(Request::Close { id });
+        self.notify(Request::Close { id });
+    }
+
+    fn notify(&self, r: Request) {
+        if let Err(TrySendError::Full(r)) = self.tx.try_send(r) {
+            let _ = self.notices.send(r);
+        }
     }
 
     /// Finishes queued rounds, then stops the engine thread.
@@ -300,6 +308,7 @@ pub fn spawn<M: TreeModel + 'static>(
     server_draft: Option<ServerDraft>,
 ) -> (EngineHandle, std::thread::JoinHandle<()>) {
     let (tx, rx) = sync_channel(cfg.queue_depth);
+    let (notices, notices_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("specinfer-engine".into())
         .spawn(move || {
@@ -314,10 +323,10 @@ pub fn spawn<M: TreeModel + 'static>(
                 forward_cost: AffineFit::default(),
                 epoch: Instant::now(),
             }
-            .run(rx)
+            .run(rx, notices_rx)
         })
         .expect("spawning the engine thread");
-    (EngineHandle { tx }, thread)
+    (EngineHandle { tx, notices }, thread)
 }
 
 /// Who opened a session: the SHA-256 of the API key its connection presented (`None`: no key).
@@ -362,7 +371,7 @@ struct Engine<M: TreeModel> {
 }
 
 impl<M: TreeModel> Engine<M> {
-    fn run(mut self, rx: Receiver<Request>) {
+    fn run(mut self, rx: Receiver<Request>, notices: Receiver<Request>) {
         let mut stopping = false;
         loop {
             if self.pending.is_empty() && !self.prefilling() && !self.driving() {
@@ -376,7 +385,7 @@ impl<M: TreeModel> Engine<M> {
                 }
             }
             // Everything that arrived meanwhile joins this iteration.
-            while let Ok(r) = rx.try_recv() {
+            while let Ok(r) = notices.try_recv().or_else(|_| rx.try_recv()) {
                 stopping |= self.handle(r);
             }
             self.iteration();

@@ -17,7 +17,8 @@ use std::future::Future;
 
 use specinfer_model::TreeModel;
 use specinfer_wire::{
-    ErrorCode, ErrorFrame, Message, ModelFingerprint, ServerHello, SessionOpened, PROTOCOL_VERSION,
+    ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, ServerHello, SessionOpened,
+    PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
@@ -291,7 +292,28 @@ impl Ctx {
     }
 
     async fn recv<R: AsyncRead + Unpin>(&self, recv: &mut R) -> Result<Option<Message>, NetError> {
-        let got = read_frame(recv, &self.cfg.engine.limits).await?;
+        self.recv_within(recv, &self.cfg.engine.limits).await
+    }
+
+    /// The connection's first frame, held to [`HELLO_FRAME_BYTES`]: a client that has not
+    /// authenticated never makes the verifier buffer or decode more than a hello.
+    async fn recv_hello<R: AsyncRead + Unpin>(
+        &self,
+        recv: &mut R,
+    ) -> Result<Option<Message>, NetError> {
+        let limits = Limits {
+            max_frame_bytes: HELLO_FRAME_BYTES.min(self.cfg.engine.limits.max_frame_bytes),
+            ..self.cfg.engine.limits
+        };
+        self.recv_within(recv, &limits).await
+    }
+
+    async fn recv_within<R: AsyncRead + Unpin>(
+        &self,
+        recv: &mut R,
+        limits: &Limits,
+    ) -> Result<Option<Message>, NetError> {
+        let got = read_frame(recv, limits).await?;
         Ok(got.map(|(m, n)| {
             self.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
             m
@@ -340,11 +362,14 @@ impl Ctx {
     }
 }
 
+/// The largest first frame of a connection (a hello is a few hundred bytes).
+pub const HELLO_FRAME_BYTES: u32 = 16 << 10;
+
 async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetError> {
     let (mut send, mut recv) = tokio::time::timeout(ctx.cfg.hello_timeout, conn.accept_bi())
         .await
         .map_err(|_| NetError::Timeout)??;
-    let hello = tokio::time::timeout(ctx.cfg.hello_timeout, ctx.recv(&mut recv))
+    let hello = tokio::time::timeout(ctx.cfg.hello_timeout, ctx.recv_hello(&mut recv))
         .await
         .map_err(|_| NetError::Timeout)?;
     // Sessions are bound to the key that opened them: only it may resume them.

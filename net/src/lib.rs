@@ -10,7 +10,7 @@ pub mod relay;
 pub mod tls;
 
 pub use client::{Remote, RemoteConfig, RemoteError, RemoteSession};
-pub use frames::{read_frame, write_frame};
+pub use frames::{read_frame, read_frame_within, write_frame, FRAME_DEADLINE};
 pub use relay::{probe_round_trips, RelayConfig, UdpRelay};
 pub use tls::{cert_fingerprint, client_config, ServerIdentity, Trust};
 

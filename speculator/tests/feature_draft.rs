@@ -57,7 +57,7 @@ fn tree_logits_equal_each_paths_chain() {
     assert_eq!(logits.len(), tree.len());
     let grown = TokenTree::new(vec![7, 3, 5, 6, 8, 0, 11], vec![0, 0, 1, 2, 3, 4]).unwrap();
     logits.extend(draft.extend(&grown, tree.len()).unwrap());
-    for node in 0..grown.len() {
+    for (node, node_logits) in logits.iter().enumerate() {
         let mut path = Vec::new();
         let mut n = node;
         while let Some(p) = grown.parent(n) {
@@ -66,7 +66,7 @@ fn tree_logits_equal_each_paths_chain() {
         }
         path.reverse();
         let expected = by_chain(&m, &committed, &known, &path);
-        for (t, (a, b)) in logits[node].iter().zip(&expected).enumerate() {
+        for (t, (a, b)) in node_logits.iter().zip(&expected).enumerate() {
             if head.contains(&(t as u32)) {
                 assert!((a - b).abs() < 1e-3, "node {node} token {t}: {a} vs {b}");
             } else {

@@ -416,6 +416,22 @@ async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
     let (_ep, conn, hello) = raw_connect(&remote, API_KEY, tok.fingerprint()).await;
     assert!(matches!(hello, Message::ServerHello(_)), "{hello:?}");
 
+    // Before any hello, a frame announcing 1 MiB: refused from its length prefix alone (a
+    // connection that has not authenticated gets a hello's worth of buffer, not 4 MiB).
+    {
+        let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        endpoint.set_default_client_config(client_config(&remote.trust).unwrap());
+        let stranger = endpoint
+            .connect(remote.addr, "localhost")
+            .unwrap()
+            .await
+            .unwrap();
+        let mut first = (1u32 << 20).to_le_bytes().to_vec();
+        first.extend([0u8; 64]);
+        let reply = exchange(&stranger, &first).await;
+        assert_eq!(code(&reply), ErrorCode::LimitExceeded, "{reply:?}");
+    }
+
     // Random bytes after the version, in a frame of plausible size.
     let mut junk = 42u32.to_le_bytes().to_vec();
     junk.extend(PROTOCOL_VERSION.to_le_bytes());

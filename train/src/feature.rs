@@ -198,9 +198,8 @@ pub struct TrainableDrafter {
 const LAYER: &str = "model.layers.0.";
 
 impl TrainableDrafter {
-    /// A fresh drafter for `llm`: `fc` starts as the identity on the feature half (the layer
-    /// first passes the previous feature on), the residual outputs small, the final norm the
-    /// LLM's.
+    /// A fresh drafter for `llm`: the residual outputs small, the final norm the LLM's, and `fc`
+    /// such that the layer first passes the previous feature on.
     pub fn init(llm: &Llama, head_ids: Vec<u32>, shape: DrafterShape, seed: u64) -> Result<Self> {
         let cfg = llm.config();
         let d = cfg.d_model;
@@ -229,9 +228,13 @@ impl TrainableDrafter {
             ));
             Ok(())
         };
+        // On the feature half, the inverse of the final norm's weights: with the residual
+        // outputs near zero the drafter starts out predicting the previous position's feature.
+        let norm = llm.final_norm_weights();
         let mut fc = normal(d * 2 * d, 0.01);
         for i in 0..d {
-            fc[i * 2 * d + i] += 1.0;
+            let w = norm[i];
+            fc[i * 2 * d + i] += 1.0 / if w.abs() < 0.1 { 0.1f32.copysign(w) } else { w };
         }
         add("fc.weight".into(), fc, &[d, 2 * d])?;
         add("fc.bias".into(), vec![0.0; d], &[d])?;
@@ -284,6 +287,18 @@ impl TrainableDrafter {
             head,
             vars,
         })
+    }
+
+    /// Starts from the trained weights of an exported drafter (to train it further).
+    pub fn load_exported(&mut self, dir: &Path) -> Result<()> {
+        let t = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)?;
+        for (name, v) in &self.vars {
+            let saved = t
+                .get(name)
+                .with_context(|| format!("{}: no {name}", dir.display()))?;
+            v.set(&saved.to_dtype(DType::F32)?)?;
+        }
+        Ok(())
     }
 
     pub fn vars(&self) -> Vec<Var> {
@@ -383,6 +398,10 @@ pub struct FeatureTrainConfig {
     pub regression_weight: f64,
     /// Std of the Gaussian noise on input features, relative to their RMS.
     pub input_noise: f32,
+    /// Passes per step: the first reads the LLM's features; each further pass reads the
+    /// previous pass's predictions, shifted one position, as a tree node deeper than the root
+    /// reads its parent's predicted feature ("training-time test"), and adds its loss.
+    pub passes: usize,
 }
 
 /// One batch: windows of `seq_len` positions (from position 1: position 0 has no preceding
@@ -500,14 +519,31 @@ pub fn train(
         } else {
             b.prev.clone()
         };
-        let pred = drafter.forward(&prev, &b.rows)?;
-        let pred = pred.reshape(((), d))?.index_select(&b.picked, 0)?;
         let target = b.target.index_select(&b.picked, 0)?;
-        let regression = (&pred - &target)?.sqr()?.mean_all()?;
         let teacher = candle_nn::ops::softmax_last_dim(&drafter.head_logits(&target)?)?;
-        let log_q = candle_nn::ops::log_softmax(&drafter.head_logits(&pred)?, D::Minus1)?;
-        let ce = (teacher * log_q)?.sum(D::Minus1)?.mean_all()?.neg()?;
-        let loss = (regression.affine(cfg.regression_weight, 0.0)? + &ce)?;
+        let (mut input, mut loss, mut first_ce, mut regression) = (prev, None, None, None);
+        for _ in 0..cfg.passes.max(1) {
+            let out = drafter.forward(&input, &b.rows)?;
+            let pred = out.reshape(((), d))?.index_select(&b.picked, 0)?;
+            let mse = (&pred - &target)?.sqr()?.mean_all()?;
+            let log_q = candle_nn::ops::log_softmax(&drafter.head_logits(&pred)?, D::Minus1)?;
+            let ce = (&teacher * log_q)?.sum(D::Minus1)?.mean_all()?.neg()?;
+            let pass = (mse.affine(cfg.regression_weight, 0.0)? + &ce)?;
+            loss = Some(match loss {
+                None => pass,
+                Some(l) => (l + pass)?,
+            });
+            first_ce.get_or_insert(ce);
+            regression.get_or_insert(mse);
+            // Position j of the next pass reads this pass's prediction for position j - 1.
+            let l = out.dim(1)?;
+            input = Tensor::cat(&[&input.narrow(1, 0, 1)?, &out.narrow(1, 0, l - 1)?], 1)?;
+        }
+        let (loss, ce, regression) = (
+            loss.expect("at least one pass"),
+            first_ce.expect("at least one pass"),
+            regression.expect("at least one pass"),
+        );
         opt.backward_step(&loss)?;
         window.push(ce.to_scalar::<f32>()?);
         if (step + 1) % 25 == 0 || step + 1 == cfg.steps {

@@ -54,6 +54,13 @@ pub struct Args {
     /// Held-out prompts the tokens-per-pass measurement decodes (64 tokens each).
     #[arg(long, default_value_t = 30)]
     pub tau_prompts: usize,
+    /// Passes per training step: 1 reads only the LLM's features; 2 also trains on reading its
+    /// own predictions, as tree nodes below the root do.
+    #[arg(long, default_value_t = 2)]
+    pub passes: usize,
+    /// Start from this exported drafter's weights instead of from scratch.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     /// Only evaluate the drafter already in --out.
     #[arg(long)]
     pub eval_only: bool,
@@ -116,7 +123,10 @@ pub fn run(a: Args, llm: &Llama, tok: &Tokenizer, llm_name: &str) -> Result<()> 
             rms_eps: llm.config().rms_eps,
             max_positions: 2048,
         };
-        let drafter = TrainableDrafter::init(llm, head, shape, a.seed)?;
+        let mut drafter = TrainableDrafter::init(llm, head, shape, a.seed)?;
+        if let Some(init) = &a.init {
+            drafter.load_exported(init)?;
+        }
         let cfg = FeatureTrainConfig {
             steps: a.steps,
             batch: a.batch,
@@ -126,6 +136,7 @@ pub fn run(a: Args, llm: &Llama, tok: &Tokenizer, llm_name: &str) -> Result<()> 
             seed: a.seed,
             regression_weight: 1.0,
             input_noise: a.input_noise,
+            passes: a.passes,
         };
         let curve = feature::train(&drafter, &set, &cfg)?;
         std::fs::write(

@@ -122,4 +122,32 @@ mod tests {
         nan.scales[1] = f32::NAN;
         assert!(nan.validate(3).is_err(), "a NaN scale");
     }
+
+    #[test]
+    fn a_verdict_with_features_crosses_the_wire_and_an_oversized_one_is_refused() {
+        use crate::{decode_frame, encode_frame, Limits, Message, RoundStats, Verified};
+        let limits = Limits::default();
+        let verdict = |rows: usize| {
+            Message::Verified(Verified {
+                session: 1,
+                round: 0,
+                accepted_nodes: vec![1],
+                tokens: vec![5, 6],
+                finish: None,
+                stats: RoundStats::default(),
+                features: Some(FeatureRows::quantize(9, 4, &vec![0.5; rows * 4])),
+            })
+        };
+        let ok = verdict(2);
+        let frame = encode_frame(&ok);
+        // Two rows of four 8-bit values and a scale each, plus the rest of the verdict.
+        assert!(frame.len() < 80, "{} bytes", frame.len());
+        assert_eq!(
+            decode_frame(&frame[crate::FRAME_HEADER_BYTES..], &limits).unwrap(),
+            ok
+        );
+        let too_many = limits.max_tree_nodes as usize + PROMPT_FEATURE_ROWS + 1;
+        let frame = encode_frame(&verdict(too_many));
+        assert!(decode_frame(&frame[crate::FRAME_HEADER_BYTES..], &limits).is_err());
+    }
 }

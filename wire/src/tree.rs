@@ -73,6 +73,8 @@ pub enum TreeError {
     TokenOutOfVocab { node: usize, token: u32, vocab: u32 },
     #[error("proposal table has {got} entries, expected one per non-root node ({expected})")]
     DrawnFromCount { got: usize, expected: usize },
+    #[error("{got} proposal distributions for {drawn} drawn nodes: each is a distribution some node was drawn from")]
+    TooManyProposals { got: usize, drawn: usize },
     #[error("node {node} says it was drawn from proposal {dist}, which does not exist")]
     NoSuchProposal { node: usize, dist: u32 },
     #[error(
@@ -292,6 +294,14 @@ impl TokenTree {
             return Err(TreeError::DrawnFromCount {
                 got: p.drawn_from.len(),
                 expected,
+            });
+        }
+        // Bounds the work a frame can ask for: a distribution no node was drawn from is never
+        // read, and without this bound a 4 MiB frame could carry half a million of them.
+        if p.dists.len() > expected {
+            return Err(TreeError::TooManyProposals {
+                got: p.dists.len(),
+                drawn: expected,
             });
         }
         for (dist, d) in p.dists.iter().enumerate() {
@@ -530,6 +540,14 @@ mod tests {
         assert!(matches!(
             t.clone().with_proposals(wrong_node),
             Err(TreeError::ProposalOfOtherNode { .. })
+        ));
+        let mut unread = ok.clone();
+        unread
+            .dists
+            .extend([dist(1, vec![2], vec![1.0]), dist(2, vec![2], vec![1.0])]);
+        assert!(matches!(
+            t.clone().with_proposals(unread),
+            Err(TreeError::TooManyProposals { got: 3, drawn: 2 })
         ));
         let mut few = ok;
         few.drawn_from = vec![0];
