@@ -6,9 +6,11 @@
 use std::path::PathBuf;
 
 use specinfer_edge::Client;
-use specinfer_integration::{chat_ids, start_verifier};
+use specinfer_integration::{chat_ids, default_ssm, smollm2, start_verifier};
 use specinfer_model::FeatureDrafter;
-use specinfer_speculator::{DraftMode, Drafter, FeatureDraft, RoundDriver, Speculator, TreeShape};
+use specinfer_speculator::{
+    CachedDraft, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver, Speculator, TreeShape,
+};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_wire::SamplingParams;
 
@@ -23,33 +25,70 @@ async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
     let (_server, remote) = start_verifier(EngineConfig::default());
     let drafter = shipped_drafter();
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    let (mut tokens, mut rounds) = (0, 0);
+    // Per drafter (the feature drafter, the default SSM): tokens, rounds, tree nodes, drafting
+    // seconds, bytes up, bytes down; printed side by side, what a round costs each way.
+    let mut costs = [[0f64; 6]; 2];
+    let (_, tok) = smollm2();
     for prompt in [
-        "What is the capital of France?",
-        "Write a haiku about rain.",
+        "Explain how a bicycle works.",
+        "Give me three tips for learning a new language.",
     ] {
         let ids = chat_ids(prompt);
-        let params = SamplingParams::greedy(48);
+        let params = SamplingParams {
+            stop_ids: tok.eos().to_vec(),
+            ..SamplingParams::greedy(64)
+        };
         let mut plain = RoundDriver::new(ids.clone(), params.clone(), None).unwrap();
         let reference = client.generate(&mut plain, |_| {}).await.unwrap();
-        let speculative = Drafter {
-            speculator: Speculator::for_request(TreeShape::clients_default(), DraftMode::Greedy, 0),
-            drafts: vec![Box::new(FeatureDraft::new(&drafter))],
-        };
-        let mut driver = RoundDriver::new(ids, params, Some(speculative)).unwrap();
-        let g = client.generate(&mut driver, |_| {}).await.unwrap();
-        assert_eq!(
-            g.token_ids, reference.token_ids,
-            "the feature drafter changed the answer to {prompt:?}"
-        );
-        tokens += g.token_ids.len();
-        rounds += g.stats.rounds;
+        let drafts: [Box<dyn DraftModel + Send + '_>; 2] = [
+            Box::new(FeatureDraft::new(&drafter)),
+            Box::new(CachedDraft::new(default_ssm())),
+        ];
+        for (draft, c) in drafts.into_iter().zip(&mut costs) {
+            // The default tree at its whole budget: its adaptive cut would follow this
+            // machine's load (on loopback it may find that drafting does not pay at all).
+            let speculative = Drafter {
+                speculator: Speculator::for_request(
+                    TreeShape::clients_default().uncut(),
+                    DraftMode::Greedy,
+                    0,
+                ),
+                drafts: vec![draft],
+            };
+            let mut driver =
+                RoundDriver::new(ids.clone(), params.clone(), Some(speculative)).unwrap();
+            let g = client.generate(&mut driver, |_| {}).await.unwrap();
+            assert_eq!(
+                g.token_ids, reference.token_ids,
+                "a drafter changed the answer to {prompt:?}"
+            );
+            let s = &g.stats;
+            for (x, v) in c.iter_mut().zip([
+                g.token_ids.len() as f64,
+                s.rounds as f64,
+                s.tree_nodes as f64,
+                s.draft_s,
+                g.bytes_up as f64,
+                g.bytes_down as f64,
+            ]) {
+                *x += v;
+            }
+        }
     }
-    let tau = tokens as f64 / rounds as f64;
-    println!("feature drafter over QUIC: {tokens} tokens in {rounds} rounds, tau {tau:.2}");
+    for (name, c) in ["feature drafter", "default SSM"].iter().zip(costs) {
+        println!(
+            "{name}: tau {:.2}, {:.1} nodes per round, {:.0} us drafting per node, {:.0} B up and {:.0} B down per round",
+            c[0] / c[1],
+            c[2] / c[1],
+            c[3] / c[2] * 1e6,
+            c[4] / c[1],
+            c[5] / c[1]
+        );
+    }
+    let tau = costs[0][0] / costs[0][1];
     assert!(
         tau > 1.5,
-        "the drafter's trees were hardly accepted: tau {tau:.2}"
+        "the feature drafter's trees were hardly accepted: tau {tau:.2}"
     );
     client.shutdown().await;
 }
