@@ -100,6 +100,17 @@ impl ServerIdentity {
         let mut cfg = quinn::ServerConfig::with_crypto(Arc::new(quic));
         let mut transport = quinn::TransportConfig::default();
         transport.max_concurrent_bidi_streams(256u32.into());
+        // What a peer can make the verifier hold before the service reads anything (a client
+        // that has not said hello included): 1 MiB unread per stream, 8 MiB per connection,
+        // instead of quinn's 1.25 MB per stream and no connection bound.
+        transport.stream_receive_window((1u32 << 20).into());
+        transport.receive_window((8u32 << 20).into());
+        if alpn == ALPN {
+            // The native protocol uses neither unidirectional streams nor datagrams (HTTP/3,
+            // under WebTransport, needs both).
+            transport.max_concurrent_uni_streams(0u32.into());
+            transport.datagram_receive_buffer_size(None);
+        }
         transport.max_idle_timeout(Some(
             std::time::Duration::from_secs(60)
                 .try_into()

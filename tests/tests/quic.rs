@@ -426,6 +426,10 @@ async fn faults_get_typed_errors_while_a_healthy_session_goes_on() {
 
     let (_ep, conn, hello) = raw_connect(&remote, API_KEY, tok.fingerprint()).await;
     assert!(matches!(hello, Message::ServerHello(_)), "{hello:?}");
+    // The native protocol offers no unidirectional streams and no datagrams to buffer on.
+    assert!(conn.max_datagram_size().is_none(), "datagrams are off");
+    let uni = tokio::time::timeout(Duration::from_millis(300), conn.open_uni()).await;
+    assert!(uni.is_err(), "a unidirectional stream was granted");
 
     // Before any hello, a frame announcing 1 MiB: refused from its length prefix alone (a
     // connection that has not authenticated gets a hello's worth of buffer, not 4 MiB).
