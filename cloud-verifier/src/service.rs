@@ -29,8 +29,10 @@ use specinfer_net::{read_frame, write_frame, NetError, RemoteConfig, ServerIdent
 #[derive(Clone)]
 pub struct ServiceConfig {
     pub engine: EngineConfig,
-    /// `None` serves without authentication (only with an explicit opt-in on the command line).
-    pub api_keys: Option<HashSet<String>>,
+    /// SHA-256 digests of the accepted API keys ([`engine::key_id`]): the verifier never needs
+    /// the keys themselves, so its configuration does not hold them. `None` serves without
+    /// authentication (only with an explicit opt-in on the command line).
+    pub api_keys: Option<HashSet<[u8; 32]>>,
     pub model_name: String,
     pub fingerprint: ModelFingerprint,
     /// How long a new connection may take to say hello.
@@ -101,6 +103,40 @@ pub struct RunningVerifier {
     web: Option<(quinn::Endpoint, tokio::task::JoinHandle<()>)>,
 }
 
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ApiKeysError {
+    #[error("line {0}: sha256: must be followed by 64 hex digits")]
+    BadDigest(usize),
+    #[error("no API key in it")]
+    Empty,
+}
+
+/// An API key file's digests: one key per line, as `sha256:` and 64 hex digits (the file then
+/// does not hold the key) or plain (hashed here); `#` starts a comment line. Also returns how
+/// many keys were plain, which an operator should be told to hash.
+pub fn parse_api_keys(text: &str) -> Result<(HashSet<[u8; 32]>, usize), ApiKeysError> {
+    let (mut keys, mut plain) = (HashSet::new(), 0);
+    for (n, line) in text.lines().map(str::trim).enumerate() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let digest = match line.strip_prefix("sha256:") {
+            Some(hex) => {
+                specinfer_wire::parse_sha256_hex(hex).ok_or(ApiKeysError::BadDigest(n + 1))?
+            }
+            None => {
+                plain += 1;
+                engine::key_id(Some(line)).expect("a key has a digest")
+            }
+        };
+        keys.insert(digest);
+    }
+    if keys.is_empty() {
+        return Err(ApiKeysError::Empty);
+    }
+    Ok((keys, plain))
+}
+
 /// A verifier on 127.0.0.1 (a free port) with a fresh self-signed certificate, and the client
 /// configuration that reaches it: pinned to that certificate, with `api_key`, which the verifier
 /// accepts besides any keys `cfg` lists. What a first run's embedded verifier and the end-to-end
@@ -112,7 +148,7 @@ pub fn start_loopback<M: TreeModel + 'static>(
 ) -> Result<(RunningVerifier, RemoteConfig), NetError> {
     let identity = ServerIdentity::self_signed(&["localhost"])?;
     let mut keys = cfg.api_keys.clone().unwrap_or_default();
-    keys.insert(api_key.clone());
+    keys.extend(engine::key_id(Some(&api_key)));
     let cfg = ServiceConfig {
         api_keys: Some(keys),
         ..cfg
@@ -340,7 +376,7 @@ impl Ctx {
             ));
         }
         if let Some(keys) = &self.cfg.api_keys {
-            if !h.api_key.as_ref().is_some_and(|k| keys.contains(k)) {
+            if !engine::key_id(h.api_key.as_deref()).is_some_and(|d| keys.contains(&d)) {
                 return Some(error(
                     ErrorCode::Unauthorized,
                     None,
@@ -605,5 +641,27 @@ pub async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metri
             );
             let _ = sock.write_all(resp.as_bytes()).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_key_files_hold_digests_or_plain_keys_and_both_admit_the_key() {
+        let digest = engine::key_id(Some("k-123")).unwrap();
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        let (keys, plain) =
+            parse_api_keys(&format!("# operators\nsha256:{hex}\n\nplain-key\n")).unwrap();
+        assert_eq!(plain, 1);
+        assert!(keys.contains(&digest));
+        assert!(keys.contains(&engine::key_id(Some("plain-key")).unwrap()));
+        assert!(!keys.contains(&engine::key_id(Some("k-124")).unwrap()));
+        assert_eq!(
+            parse_api_keys("sha256:abc"),
+            Err(ApiKeysError::BadDigest(1))
+        );
+        assert_eq!(parse_api_keys("# nothing\n"), Err(ApiKeysError::Empty));
     }
 }

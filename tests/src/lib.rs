@@ -71,7 +71,12 @@ pub fn start_verifier_with(
     let (model, tok) = smollm2();
     let cfg = ServiceConfig {
         engine,
-        api_keys: Some(other_keys.iter().map(|k| k.to_string()).collect()),
+        api_keys: Some(
+            other_keys
+                .iter()
+                .filter_map(|k| specinfer_verifier::engine::key_id(Some(k)))
+                .collect(),
+        ),
         model_name: "SmolLM2-135M-Instruct".into(),
         fingerprint: tok.fingerprint(),
         hello_timeout: Duration::from_secs(5),

@@ -1,6 +1,5 @@
 //! `specinfer-verifier serve`: the cloud verifier as a QUIC service.
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_model::{fetch, load_gguf};
 use specinfer_net::ServerIdentity;
-use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::engine::{self, EngineConfig};
 use specinfer_verifier::service::{self, ServiceConfig};
 use specinfer_verifier::web;
 use specinfer_wire::Limits;
@@ -60,7 +59,10 @@ struct ServeArgs {
     /// Generate a self-signed certificate and print its SHA-256 fingerprint for clients to pin.
     #[arg(long)]
     self_signed: bool,
-    /// File with one API key per line; clients without a listed key are refused.
+    /// File with one API key per line, each best given as its SHA-256 digest
+    /// ("sha256:" and 64 hex digits, e.g. from `printf %s KEY | sha256sum`) so that the file
+    /// does not hold the key itself; a plain key is accepted with a warning. Clients without a
+    /// listed key are refused. Lines starting with # are comments.
     #[arg(long, conflicts_with = "insecure_no_auth")]
     api_keys: Option<PathBuf>,
     /// Serve without API keys (anyone who reaches the port may use the model).
@@ -165,14 +167,13 @@ fn main() -> Result<()> {
         (Some(path), false) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            let keys: HashSet<String> = text
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(str::to_owned)
-                .collect();
-            if keys.is_empty() {
-                bail!("{} holds no API key", path.display());
+            let (keys, plain) = service::parse_api_keys(&text)
+                .with_context(|| format!("reading {}", path.display()))?;
+            if plain > 0 {
+                tracing::warn!(
+                    "{} holds {plain} plain API key(s): store them as sha256:HEX (printf %s KEY | sha256sum) so the file does not hold them",
+                    path.display()
+                );
             }
             Some(keys)
         }
@@ -189,7 +190,9 @@ fn main() -> Result<()> {
         load_gguf(&llm).with_context(|| format!("loading {}", llm.display()))?;
     if args.web.is_some() {
         match (&args.web_api_key, &api_keys) {
-            (Some(k), Some(keys)) if !keys.contains(k) => {
+            (Some(k), Some(keys))
+                if !engine::key_id(Some(k)).is_some_and(|d| keys.contains(&d)) =>
+            {
                 bail!("--web-api-key is not one of the --api-keys")
             }
             (None, Some(_)) => bail!("with --web and --api-keys, give --web-api-key for the page"),
