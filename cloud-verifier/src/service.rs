@@ -236,7 +236,13 @@ impl RunningVerifier {
                             .await
                             .map_err(|e| NetError::WebTransport(e.to_string()))
                     };
-                    match session.await {
+                    // The QUIC and HTTP/3 handshakes and the CONNECT request get the time a
+                    // native connection gets to say hello: a peer that stalls them holds nothing
+                    // for longer.
+                    let session = tokio::time::timeout(ctx.cfg.hello_timeout, session)
+                        .await
+                        .unwrap_or(Err(NetError::Timeout));
+                    match session {
                         Ok(session) => {
                             ctx.metrics.connections.fetch_add(1, Ordering::Relaxed);
                             if let Err(e) = connection(session, &ctx).await {
