@@ -100,8 +100,8 @@ struct PendingFeatures {
 }
 
 impl PendingFeatures {
-    /// Appends the features of `count` positions from `logits` (nodes `nodes` of a forward's
-    /// output), which must follow the ones held.
+    /// Appends the features of `nodes` of a forward's output, the positions that follow the
+    /// ones held.
     fn push(&mut self, logits: &specinfer_model::Logits, nodes: impl Iterator<Item = usize>) {
         for n in nodes {
             if let Some(f) = logits.feature(n) {

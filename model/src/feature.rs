@@ -43,12 +43,7 @@ impl FeatureDrafter {
     }
 
     pub fn from_safetensors(dir: &Path) -> Result<Self> {
-        let read = |name: &str| {
-            let path = dir.join(name);
-            std::fs::read(&path).map_err(|source| ModelError::Io { path, source })
-        };
-        let config = String::from_utf8_lossy(&read("config.json")?).into_owned();
-        let weights = read("model.safetensors")?;
+        let (config, weights) = crate::load::read_checkpoint(dir)?;
         Self::from_safetensors_bytes(&config, &weights, dir)
     }
 

@@ -193,16 +193,7 @@ impl Llama {
     /// (f32, f16, bf16, or u8 rows with a scale per row as [`quantize_rows_u8`] writes them;
     /// computed in f32).
     pub fn from_safetensors(dir: &Path) -> Result<Llama> {
-        let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| ModelError::Io {
-            path: cfg_path.clone(),
-            source,
-        })?;
-        let st_path = dir.join("model.safetensors");
-        let bytes = std::fs::read(&st_path).map_err(|source| ModelError::Io {
-            path: st_path.clone(),
-            source,
-        })?;
+        let (text, bytes) = read_checkpoint(dir)?;
         Self::from_safetensors_bytes(&text, &bytes, dir)
     }
 
@@ -385,6 +376,19 @@ impl Llama {
         }
         tensors
     }
+}
+
+/// A Hugging Face checkpoint folder's `config.json` and `model.safetensors`.
+pub(crate) fn read_checkpoint(dir: &Path) -> Result<(String, Vec<u8>)> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path).map_err(|source| ModelError::Io { path, source })
+    };
+    let config = String::from_utf8(read("config.json")?).map_err(|e| ModelError::Format {
+        path: dir.join("config.json"),
+        message: e.to_string(),
+    })?;
+    Ok((config, read("model.safetensors")?))
 }
 
 /// Where a layer's tensors come from; GGUF and Hugging Face checkpoints differ only in names.

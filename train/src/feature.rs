@@ -20,8 +20,9 @@ use sha2::{Digest, Sha256};
 use specinfer_model::{KvCache, Llama, SeqTree, FEATURE_DRAFT_KIND};
 use specinfer_wire::TokenTree;
 
-use crate::ssm::{decoder_layer, linear, rms_norm, Causal};
+use crate::ssm::{decoder_layer, linear, normal, rms_norm, Causal, ExportedShape};
 use crate::teacher::Example;
+use crate::train::{scheduled_lr, step_rng};
 
 /// The LLM's features along the teacher's examples (prompt tail + answer).
 pub struct FeatureSet {
@@ -212,14 +213,7 @@ impl TrainableDrafter {
         let head = Tensor::from_vec(rows, (head_ids.len(), d), &dev)?;
         let embed_in = Tensor::cat(&[&head, &Tensor::zeros((1, d), DType::F32, &dev)?], 0)?;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let mut normal = |n: usize, std: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    let (u1, u2): (f32, f32) = (rng.random_range(1e-7..1.0), rng.random());
-                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-                })
-                .collect()
-        };
+        let mut normal = |n: usize, std: f32| normal(&mut rng, n, std);
         let mut vars = Vec::new();
         let mut add = |name: String, data: Vec<f32>, dims: &[usize]| -> Result<()> {
             vars.push((
@@ -360,27 +354,25 @@ impl TrainableDrafter {
         );
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
         let s = &self.shape;
-        let config = serde_json::json!({
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "specinfer_draft": FEATURE_DRAFT_KIND,
-            "specinfer_feature_llm": llm_name,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "intermediate_size": s.ffn_dim,
-            "num_hidden_layers": 1,
-            "num_attention_heads": s.n_heads,
-            "num_key_value_heads": s.n_heads,
-            "rms_norm_eps": s.rms_eps,
-            "rope_theta": s.rope_theta,
-            "max_position_embeddings": s.max_positions,
-            "tie_word_embeddings": true,
-            "specinfer_head_tokens": self.head_ids.len(),
-            "specinfer_tokenizer_sha256": tokenizer_sha256.iter().map(|b| format!("{b:02x}")).collect::<String>(),
-        });
-        std::fs::write(
-            dir.join("config.json"),
-            serde_json::to_string_pretty(&config)?,
+        ExportedShape {
+            vocab_size: self.vocab_size,
+            d_model: self.dim,
+            ffn_dim: s.ffn_dim,
+            n_layers: 1,
+            n_heads: s.n_heads,
+            rms_eps: s.rms_eps,
+            rope_theta: s.rope_theta,
+            max_positions: s.max_positions,
+            tied: true,
+            head_tokens: self.head_ids.len(),
+            tokenizer_sha256,
+        }
+        .write(
+            dir,
+            serde_json::json!({
+                "specinfer_draft": FEATURE_DRAFT_KIND,
+                "specinfer_feature_llm": llm_name,
+            }),
         )?;
         Ok(())
     }
@@ -499,15 +491,9 @@ pub fn train(
     let (mut window, mut curve) = (Vec::new(), Vec::new());
     let d = set.dim;
     for step in 0..cfg.steps {
-        let warm = (step + 1) as f64 / cfg.warmup.max(1) as f64;
-        let progress = step as f64 / cfg.steps as f64;
-        let lr = cfg.lr
-            * warm.min(1.0)
-            * (0.05 + 0.95 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()));
+        let lr = scheduled_lr(cfg.lr, cfg.warmup, step, cfg.steps, 0.05);
         opt.set_learning_rate(lr);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
-            cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9),
-        );
+        let mut rng = step_rng(cfg.seed, step);
         let picks: Vec<usize> = (0..cfg.batch)
             .map(|_| rng.random_range(0..set.examples.len()))
             .collect();

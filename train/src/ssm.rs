@@ -46,6 +46,63 @@ pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> candle_core::Result<
         .broadcast_mul(w)
 }
 
+/// `n` draws from a normal distribution of standard deviation `std` (Box-Muller).
+pub(crate) fn normal(rng: &mut impl rand::Rng, n: usize, std: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let (u1, u2): (f32, f32) = (rng.random_range(1e-7..1.0), rng.random());
+            std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+        })
+        .collect()
+}
+
+/// The shape of an exported Llama-family draft model, as `config.json` records it.
+pub(crate) struct ExportedShape<'a> {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub ffn_dim: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    pub max_positions: usize,
+    /// The head is the embedding's rows.
+    pub tied: bool,
+    pub head_tokens: usize,
+    pub tokenizer_sha256: &'a [u8; 32],
+}
+
+impl ExportedShape<'_> {
+    /// Writes `config.json` in Hugging Face naming (no GQA), with specinfer's keys (the
+    /// restricted head's size, the SHA-256 of the tokenizer its ids belong to) and `extra`'s.
+    pub(crate) fn write(&self, dir: &Path, extra: serde_json::Value) -> Result<()> {
+        let mut config = serde_json::json!({
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "intermediate_size": self.ffn_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_heads,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_positions,
+            "tie_word_embeddings": self.tied,
+            "specinfer_head_tokens": self.head_tokens,
+            "specinfer_tokenizer_sha256": self.tokenizer_sha256.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+        });
+        if let (Some(c), serde_json::Value::Object(extra)) = (config.as_object_mut(), extra) {
+            c.extend(extra);
+        }
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string_pretty(&config)?,
+        )?;
+        Ok(())
+    }
+}
+
 /// `x @ w^T` for a 3-d `x`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let (b, l, d) = x.dims3()?;
@@ -135,19 +192,11 @@ impl Ssm {
         teacher_d: usize,
         seed: u64,
     ) -> Result<Self> {
-        use rand::{Rng, SeedableRng};
+        use rand::SeedableRng;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let dev = Device::Cpu;
         let d = cfg.d_model;
-        let mut normal = |n: usize, std: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    // Box-Muller.
-                    let (u1, u2): (f32, f32) = (rng.random_range(1e-7..1.0), rng.random());
-                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-                })
-                .collect()
-        };
+        let mut normal = |n: usize, std: f32| normal(&mut rng, n, std);
         let proj = normal(teacher_d * d, 1.0 / (teacher_d as f32).sqrt());
         let mut embed = vec![0f32; cfg.vocab_size * d];
         for t in 0..cfg.vocab_size {
@@ -271,26 +320,20 @@ impl Ssm {
         );
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
         let c = &self.cfg;
-        let config = serde_json::json!({
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": c.vocab_size,
-            "hidden_size": c.d_model,
-            "intermediate_size": c.ffn_dim,
-            "num_hidden_layers": c.n_layers,
-            "num_attention_heads": c.n_heads,
-            "num_key_value_heads": c.n_heads,
-            "rms_norm_eps": c.rms_eps,
-            "rope_theta": c.rope_theta,
-            "max_position_embeddings": c.max_positions,
-            "tie_word_embeddings": false,
-            "specinfer_head_tokens": self.head_ids.len(),
-            "specinfer_tokenizer_sha256": tokenizer_sha256.iter().map(|b| format!("{b:02x}")).collect::<String>(),
-        });
-        std::fs::write(
-            dir.join("config.json"),
-            serde_json::to_string_pretty(&config)?,
-        )?;
+        ExportedShape {
+            vocab_size: c.vocab_size,
+            d_model: c.d_model,
+            ffn_dim: c.ffn_dim,
+            n_layers: c.n_layers,
+            n_heads: c.n_heads,
+            rms_eps: c.rms_eps,
+            rope_theta: c.rope_theta,
+            max_positions: c.max_positions,
+            tied: false,
+            head_tokens: self.head_ids.len(),
+            tokenizer_sha256,
+        }
+        .write(dir, serde_json::json!({}))?;
         Ok(())
     }
 

@@ -47,6 +47,21 @@ pub fn head_tokens(examples: &[Example], head: usize, always: &[u32]) -> Vec<u32
     ids
 }
 
+/// The learning rate at `step` of `steps`: linear warmup over `warmup` steps, then cosine decay
+/// from `peak` to `floor` times it.
+pub(crate) fn scheduled_lr(peak: f64, warmup: usize, step: usize, steps: usize, floor: f64) -> f64 {
+    let warm = (step + 1) as f64 / warmup.max(1) as f64;
+    let progress = step as f64 / steps as f64;
+    peak * warm.min(1.0)
+        * (floor + (1.0 - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+}
+
+/// The batch order's randomness at `step`: a function of (seed, step) only, so a resumed run
+/// sees the same data.
+pub(crate) fn step_rng(seed: u64, step: usize) -> rand_chacha::ChaCha8Rng {
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (step as u64).wrapping_mul(0x9E37_79B9))
+}
+
 /// Weight of the soft (top-k) term against the hard (teacher token) term.
 const SOFT_WEIGHT: f64 = 0.5;
 
@@ -167,16 +182,9 @@ pub fn train(
     let mut window = Vec::new();
     let mut curve = Vec::new();
     for step in start..cfg.steps {
-        let warm = (step + 1) as f64 / cfg.warmup.max(1) as f64;
-        let progress = step as f64 / cfg.steps as f64;
-        let lr = cfg.lr
-            * warm.min(1.0)
-            * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()));
+        let lr = scheduled_lr(cfg.lr, cfg.warmup, step, cfg.steps, 0.1);
         opt.set_learning_rate(lr);
-        // Batches depend only on (seed, step), so a resumed run sees the same data.
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
-            cfg.seed ^ (step as u64).wrapping_mul(0x9E37_79B9),
-        );
+        let mut rng = step_rng(cfg.seed, step);
         let picks: Vec<usize> = (0..cfg.batch)
             .map(|_| rng.random_range(0..examples.len()))
             .collect();
