@@ -1,8 +1,9 @@
 //! Counters and histograms, rendered in the Prometheus text format.
 
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use specinfer_wire::ErrorCode;
 
@@ -77,7 +78,7 @@ const SECONDS: &[f64] = &[
 ];
 const COUNTS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0];
 const MAX_DEPTH: usize = 32;
-const ERROR_CODES: [ErrorCode; 11] = [
+const ERROR_CODES: [ErrorCode; 12] = [
     ErrorCode::BadFrame,
     ErrorCode::UnsupportedVersion,
     ErrorCode::Unauthorized,
@@ -89,6 +90,7 @@ const ERROR_CODES: [ErrorCode; 11] = [
     ErrorCode::OutOfOrder,
     ErrorCode::Unsupported,
     ErrorCode::Internal,
+    ErrorCode::Draining,
 ];
 
 pub struct Metrics {
@@ -102,6 +104,21 @@ pub struct Metrics {
     pub forward_nodes: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Verification rounds waiting for a forward (a gauge; what an autoscaler should watch).
+    pub queued_rounds: AtomicU64,
+    /// KV cache bytes the sessions hold (a gauge).
+    pub kv_bytes: AtomicU64,
+    /// Tree nodes and prompt tokens of the last batched forward (a gauge).
+    pub last_batch_nodes: AtomicU64,
+    /// 1 while the verifier drains (not ready; opens no session).
+    pub draining: AtomicU64,
+    /// Sessions told to move to another verifier while draining.
+    pub sessions_moved: AtomicU64,
+    /// Whether the engine thread runs (false once it ended, by return or panic).
+    pub engine_alive: AtomicBool,
+    /// When the engine loop last went round, in milliseconds since the engine started: a loop
+    /// that stops going round (a hung forward) is seen by the health check.
+    pub engine_heartbeat_ms: AtomicU64,
     /// Tokens emitted per round (tau).
     pub tau: Histogram,
     pub batch_size: Histogram,
@@ -125,6 +142,13 @@ impl Default for Metrics {
             forward_nodes: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
+            queued_rounds: AtomicU64::new(0),
+            kv_bytes: AtomicU64::new(0),
+            last_batch_nodes: AtomicU64::new(0),
+            draining: AtomicU64::new(0),
+            sessions_moved: AtomicU64::new(0),
+            engine_alive: AtomicBool::new(true),
+            engine_heartbeat_ms: AtomicU64::new(0),
             tau: Histogram::new(COUNTS),
             batch_size: Histogram::new(COUNTS),
             forward_seconds: Histogram::new(SECONDS),
@@ -153,6 +177,22 @@ impl Metrics {
             self.accepted_at_depth[d].fetch_add(a as u64, Ordering::Relaxed);
             self.tried_at_depth[d].fetch_add((a + r) as u64, Ordering::Relaxed);
         }
+    }
+
+    /// The engine's load after an iteration, and its heartbeat.
+    pub fn publish_load(&self, queued_rounds: usize, kv_bytes: usize, epoch: Instant) {
+        self.queued_rounds
+            .store(queued_rounds as u64, Ordering::Relaxed);
+        self.kv_bytes.store(kv_bytes as u64, Ordering::Relaxed);
+        self.engine_heartbeat_ms
+            .store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// The engine thread runs and its loop went round within `within` (`started` is when the
+    /// engine started, the origin of its heartbeat).
+    pub fn engine_healthy(&self, started: Instant, within: Duration) -> bool {
+        let beat = Duration::from_millis(self.engine_heartbeat_ms.load(Ordering::Relaxed));
+        self.engine_alive.load(Ordering::Relaxed) && started.elapsed().saturating_sub(beat) < within
     }
 
     pub fn error(&self, code: ErrorCode) {
@@ -228,6 +268,41 @@ impl Metrics {
             "counter",
             "Tree nodes and prompt tokens over all batched forward passes.",
             &self.forward_nodes,
+        );
+        counter(
+            &mut out,
+            "specinfer_queued_rounds",
+            "gauge",
+            "Verification rounds waiting for a forward.",
+            &self.queued_rounds,
+        );
+        counter(
+            &mut out,
+            "specinfer_kv_bytes",
+            "gauge",
+            "KV cache bytes the sessions hold.",
+            &self.kv_bytes,
+        );
+        counter(
+            &mut out,
+            "specinfer_last_batch_nodes",
+            "gauge",
+            "Tree nodes and prompt tokens of the last batched forward.",
+            &self.last_batch_nodes,
+        );
+        counter(
+            &mut out,
+            "specinfer_draining",
+            "gauge",
+            "1 while the verifier drains (opens no session, moves live ones).",
+            &self.draining,
+        );
+        counter(
+            &mut out,
+            "specinfer_sessions_moved_total",
+            "counter",
+            "Sessions told to move to another verifier while draining.",
+            &self.sessions_moved,
         );
         counter(
             &mut out,

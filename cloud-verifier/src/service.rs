@@ -11,14 +11,14 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::future::Future;
 
 use specinfer_model::TreeModel;
 use specinfer_wire::{
-    ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, ServerHello, SessionOpened,
-    PROTOCOL_VERSION,
+    ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, ServerHello, ServerLoad,
+    SessionOpened, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
@@ -46,6 +46,8 @@ struct Ctx {
     cfg: ServiceConfig,
     engine: EngineHandle,
     metrics: Arc<Metrics>,
+    /// When the engine started: the origin of its heartbeat.
+    started: Instant,
 }
 
 /// What the service needs from a client connection: a native QUIC connection, or a browser's
@@ -91,6 +93,69 @@ impl ClientConn for web_transport_quinn::Session {
 
     fn close(&self, reason: &'static [u8]) {
         web_transport_quinn::Session::close(self, 1, reason);
+    }
+}
+
+/// Drain, health and readiness of a running verifier, for the admin endpoint and the signal
+/// handler.
+#[derive(Clone)]
+pub struct VerifierControl {
+    ctx: Arc<Ctx>,
+}
+
+/// An engine whose loop has not gone round for this long is unhealthy.
+const ENGINE_STALL: Duration = Duration::from_secs(30);
+
+impl VerifierControl {
+    /// Starts draining (idempotent): the verifier reports itself unready and draining in its
+    /// hello, opens and resumes no session, and moves each live session at its next round; see
+    /// [`EngineHandle::drain`].
+    pub fn drain(&self) {
+        if self.ctx.metrics.draining.swap(1, Ordering::Relaxed) == 0 {
+            tracing::info!("drain requested");
+            self.ctx.engine.drain();
+        }
+    }
+
+    pub fn draining(&self) -> bool {
+        self.ctx.metrics.draining.load(Ordering::Relaxed) != 0
+    }
+
+    /// The engine thread runs and goes round: false after a panic or a hung forward, when the
+    /// process should be restarted.
+    pub fn healthy(&self) -> bool {
+        self.ctx
+            .metrics
+            .engine_healthy(self.ctx.started, ENGINE_STALL)
+    }
+
+    /// Healthy and not draining: new sessions are welcome.
+    pub fn ready(&self) -> bool {
+        self.healthy() && !self.draining()
+    }
+
+    /// Sessions it holds (attached, or detached within their grace period).
+    pub fn sessions(&self) -> u64 {
+        self.ctx.metrics.sessions_active.load(Ordering::Relaxed)
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.ctx.metrics
+    }
+
+    /// The load a hello reports.
+    fn load(&self) -> ServerLoad {
+        let m = &self.ctx.metrics;
+        let cfg = &self.ctx.cfg.engine;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        ServerLoad {
+            sessions: get(&m.sessions_active).min(u32::MAX as u64) as u32,
+            max_sessions: cfg.max_sessions.min(u32::MAX as usize) as u32,
+            queued_rounds: get(&m.queued_rounds).min(u32::MAX as u64) as u32,
+            kv_free_bytes: (cfg.kv_budget_bytes as u64).saturating_sub(get(&m.kv_bytes)),
+            batch_nodes: get(&m.last_batch_nodes).min(u32::MAX as u64) as u32,
+            draining: self.draining(),
+        }
     }
 }
 
@@ -178,6 +243,7 @@ pub fn start<M: TreeModel + 'static>(
 ) -> Result<RunningVerifier, NetError> {
     let endpoint = quinn::Endpoint::server(identity.quinn_config()?, listen)?;
     let metrics = Arc::new(Metrics::default());
+    let started = Instant::now();
     let (engine, engine_thread) =
         engine::spawn(model, cfg.engine.clone(), metrics.clone(), cfg.server_draft);
     if cfg.api_keys.is_none() {
@@ -187,6 +253,7 @@ pub fn start<M: TreeModel + 'static>(
         cfg,
         engine,
         metrics,
+        started,
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
     tracing::info!(addr = %endpoint.local_addr()?, fingerprint = identity.fingerprint(), "verifier listening");
@@ -208,6 +275,13 @@ impl RunningVerifier {
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.ctx.metrics
+    }
+
+    /// What an operator (or an orchestrator's probes) controls and watches while it serves.
+    pub fn control(&self) -> VerifierControl {
+        VerifierControl {
+            ctx: self.ctx.clone(),
+        }
     }
 
     /// Also serves browsers: WebTransport on `listen` with `identity` (for development, one from
@@ -444,6 +518,7 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         model_name: ctx.cfg.model_name.clone(),
         model: ctx.cfg.fingerprint.clone(),
         limits: ctx.cfg.engine.limits,
+        load: VerifierControl { ctx: ctx.clone() }.load(),
     });
     ctx.send(&mut send, &hello).await?;
     loop {
@@ -536,6 +611,15 @@ where
                             b.next_round += 1;
                             Message::Verified(r.outcome.into_verified(v.session, v.round, r.stats))
                         }
+                        Err(e) if e.code == ErrorCode::Draining => {
+                            // The engine has closed the session; the client takes it elsewhere.
+                            ctx.metrics.sessions_moved.fetch_add(1, Ordering::Relaxed);
+                            let _ = ctx
+                                .send(&mut send, &Message::Move { session: v.session })
+                                .await;
+                            let _ = send.shutdown().await;
+                            return;
+                        }
                         Err(e) => {
                             let fatal = e.code == ErrorCode::BadFrame;
                             let reply = engine_error(e, v.session);
@@ -619,35 +703,6 @@ async fn stream_generation<W: AsyncWrite + Unpin>(
         ctx.send(send, &msg).await?;
     }
     Ok(())
-}
-
-/// Serves the metrics in Prometheus text format over plain HTTP (`GET /metrics`).
-pub async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let n = match tokio::time::timeout(Duration::from_secs(5), sock.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") {
-                ("200 OK", metrics.render())
-            } else {
-                ("404 Not Found", "try GET /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = sock.write_all(resp.as_bytes()).await;
-        });
-    }
 }
 
 #[cfg(test)]

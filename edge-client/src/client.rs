@@ -1,14 +1,24 @@
 //! Speculative generation against a verifier: draft a tree, send it, keep what comes back, and
 //! survive a lost connection without losing text (resume the session, or re-open it with the
 //! tokens committed so far).
+//!
+//! A client may know several verifiers (a fleet). It places each connection by the power of two
+//! choices: two verifiers at random among those not recently found dead, draining or busy, and
+//! of those the less loaded by what their hellos report. A session whose verifier dies, is cut
+//! off or drains continues on another one with its committed tokens, so nothing is lost: a
+//! greedy answer is the same token for token, and a seeded sampled one too (with a fixed tree
+//! shape), since the verifier's and the drafter's randomness are functions of the seed and the
+//! committed length, whichever verifier continues the session.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use specinfer_model::ModelError;
 use specinfer_speculator::{GenerationStats, Recovery, RoundDriver, RoundError, RoundOutput};
 use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, Verified};
 
-use specinfer_net::{Remote, RemoteConfig, RemoteError, RemoteSession};
+use specinfer_net::{AddrsError, Remote, RemoteConfig, RemoteError, RemoteSession, VerifierAddrs};
 
 /// Variants that wrap another error say it in their message and do not also give it as their
 /// `source`, so a printed chain of causes says it once.
@@ -20,6 +30,8 @@ pub enum ClientError {
     Draft(ModelError),
     #[error(transparent)]
     Round(#[from] RoundError),
+    #[error(transparent)]
+    Addrs(#[from] AddrsError),
 }
 
 impl From<ModelError> for ClientError {
@@ -44,26 +56,68 @@ pub struct Generation {
     pub ttft: Duration,
     pub bytes_up: usize,
     pub bytes_down: usize,
+    /// Recoveries: reconnections, and moves off draining verifiers.
     pub reconnects: usize,
+    /// The verifiers that served the session, in order (more than one after a failover).
+    pub served_by: Vec<SocketAddr>,
 }
 
-/// A verifier connection that reconnects on demand.
+/// Recoveries (reconnections and moves) one generation survives.
+const MAX_RECOVERIES: usize = 8;
+/// Verifiers tried for one session's opening when they answer busy or draining.
+const MAX_PLACEMENTS: usize = 6;
+/// How long a verifier that did not answer is left out of placement.
+const DEAD_FOR: Duration = Duration::from_secs(15);
+/// How long a draining verifier is left out of placement (about a restart).
+const DRAINING_FOR: Duration = Duration::from_secs(60);
+/// The longest a client waits to resume a session on the verifier that lost it before it
+/// re-opens the session elsewhere.
+const RESUME_WAIT: Duration = Duration::from_secs(2);
+
+/// A verifier connection that reconnects on demand, to one verifier or to the least loaded of
+/// a fleet.
 pub struct Client {
+    /// How to reach a verifier; `addr` is the current one's.
     cfg: RemoteConfig,
+    verifiers: VerifierAddrs,
+    /// Verifiers left out of placement until then: found dead, draining or busy.
+    avoid: HashMap<SocketAddr, Instant>,
+    /// How many addresses the verifiers resolved to when last placed.
+    known: usize,
     remote: Option<Remote>,
     next_session: u64,
     round_trip: EmulatedRoundTrip,
 }
 
 impl Client {
+    /// A client of the one verifier at `cfg.addr`.
     pub async fn connect(cfg: RemoteConfig) -> Result<Client, ClientError> {
-        let remote = Remote::connect(&cfg).await?;
-        Ok(Client {
+        let verifiers = VerifierAddrs::one(cfg.addr);
+        Self::connect_fleet(cfg, verifiers).await
+    }
+
+    /// A client of a fleet: each connection goes to the less loaded of two verifiers drawn from
+    /// `verifiers` (resolved again at every placement); `cfg` says how to reach any of them.
+    pub async fn connect_fleet(
+        cfg: RemoteConfig,
+        verifiers: VerifierAddrs,
+    ) -> Result<Client, ClientError> {
+        let mut client = Client {
             cfg,
-            remote: Some(remote),
+            verifiers,
+            avoid: HashMap::new(),
+            known: 0,
+            remote: None,
             next_session: 1,
             round_trip: EmulatedRoundTrip::default(),
-        })
+        };
+        client.place().await?;
+        Ok(client)
+    }
+
+    /// The verifier this client's sessions go to now.
+    pub fn verifier(&self) -> SocketAddr {
+        self.cfg.addr
     }
 
     /// Adds `rtt` of waiting to every round, on top of the verifier's forward: an in-process
@@ -80,11 +134,119 @@ impl Client {
         }
     }
 
-    async fn remote(&mut self) -> Result<&Remote, ClientError> {
-        if self.remote.is_none() {
-            self.remote = Some(Remote::connect(&self.cfg).await?);
+    /// Leaves the current verifier out of placement for `how_long` and drops the connection.
+    fn leave(&mut self, how_long: Duration) {
+        self.avoid.insert(self.cfg.addr, Instant::now() + how_long);
+        if let Some(r) = self.remote.take() {
+            tokio::spawn(r.shutdown());
         }
-        Ok(self.remote.as_ref().expect("just connected"))
+    }
+
+    /// Connects to a verifier by the power of two choices (see the module doc). Verifiers
+    /// recently found dead, draining or busy are left out while others remain.
+    async fn place(&mut self) -> Result<(), ClientError> {
+        let all = self.verifiers.resolve().await?;
+        self.known = all.len();
+        let now = Instant::now();
+        self.avoid.retain(|_, until| *until > now);
+        let mut candidates: Vec<SocketAddr> = all
+            .iter()
+            .copied()
+            .filter(|a| !self.avoid.contains_key(a))
+            .collect();
+        if candidates.is_empty() {
+            candidates = all;
+        }
+        shuffle(&mut candidates, crate::setup::fresh_seed());
+        let mut refusal = None;
+        let mut other = None;
+        for pair in candidates.chunks(2) {
+            match self.less_loaded_of(pair).await {
+                Ok(remote) => {
+                    self.cfg.addr = remote.addr();
+                    tracing::debug!(verifier = %self.cfg.addr, load = ?remote.server.load, "placed");
+                    self.remote = Some(remote);
+                    return Ok(());
+                }
+                Err(e @ RemoteError::Refused(_)) => refusal = Some(e),
+                Err(e) => other = Some(e),
+            }
+        }
+        // A refusal says more than a timeout (a wrong key, another model).
+        Err(refusal
+            .or(other)
+            .expect("a resolved list is never empty")
+            .into())
+    }
+
+    /// Says hello to the verifiers of `pair` at once and keeps the less loaded; once one has
+    /// answered, the other gets as long again to answer, so a dead one costs no timeout.
+    async fn less_loaded_of(&mut self, pair: &[SocketAddr]) -> Result<Remote, RemoteError> {
+        let mut hellos = tokio::task::JoinSet::new();
+        let started = Instant::now();
+        for &addr in pair {
+            let cfg = RemoteConfig {
+                addr,
+                ..self.cfg.clone()
+            };
+            hellos.spawn(async move {
+                let hello = tokio::time::timeout(cfg.idle_timeout, Remote::connect(&cfg)).await;
+                (
+                    addr,
+                    hello.unwrap_or(Err(specinfer_net::NetError::Timeout.into())),
+                )
+            });
+        }
+        let mut answered: Vec<Remote> = Vec::new();
+        let mut error = None;
+        let mut deadline: Option<tokio::time::Instant> = None;
+        loop {
+            let next = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, hellos.join_next()).await {
+                    Ok(next) => next,
+                    Err(_) => break,
+                },
+                None => hellos.join_next().await,
+            };
+            let Some(Ok((addr, hello))) = next else {
+                break;
+            };
+            match hello {
+                Ok(remote) if remote.server.load.draining => {
+                    self.avoid.insert(addr, Instant::now() + DRAINING_FOR);
+                    tokio::spawn(remote.shutdown());
+                    error = Some(RemoteError::Refused(specinfer_wire::ErrorFrame {
+                        code: ErrorCode::Draining,
+                        session: None,
+                        message: format!("the verifier at {addr} is draining"),
+                        retry_after_ms: None,
+                    }));
+                }
+                Ok(remote) => {
+                    let first = started.elapsed().max(Duration::from_millis(20));
+                    deadline.get_or_insert(tokio::time::Instant::now() + first);
+                    answered.push(remote);
+                }
+                Err(e) => {
+                    tracing::debug!(verifier = %addr, "no hello: {e}");
+                    if e.is_connection_loss() {
+                        self.avoid.insert(addr, Instant::now() + DEAD_FOR);
+                    }
+                    error = Some(e);
+                }
+            }
+        }
+        answered.sort_by(|a, b| a.server.load.score().total_cmp(&b.server.load.score()));
+        let mut answered = answered.into_iter();
+        match answered.next() {
+            Some(best) => {
+                for r in answered {
+                    tokio::spawn(r.shutdown());
+                }
+                Ok(best)
+            }
+            None => Err(error.unwrap_or(RemoteError::Net(specinfer_net::NetError::Timeout))),
+        }
     }
 
     /// Runs `driver`'s generation on a new session, calling `on_round` with what each round
@@ -101,6 +263,7 @@ impl Client {
         self.next_session += 1;
         let mut g = Generation::default();
         let mut session = self.open(id, driver).await?;
+        let mut served_by = vec![self.cfg.addr];
         while !driver.is_finished() {
             let tree = driver.draft(&clock)?;
             let sent = Instant::now();
@@ -123,19 +286,34 @@ impl Client {
                     }
                     on_round(&out);
                 }
-                Err(e) if e.is_connection_loss() && g.reconnects < 3 => {
-                    tracing::warn!("lost the verifier ({e}); reconnecting");
+                Err(RemoteError::Moved) if g.reconnects < MAX_RECOVERIES => {
+                    tracing::info!(verifier = %self.cfg.addr, "the verifier is draining; moving the session");
                     g.reconnects += 1;
                     g.bytes_up += session.bytes_up;
                     g.bytes_down += session.bytes_down;
                     driver.connection_lost();
-                    self.remote = None;
+                    self.leave(DRAINING_FOR);
+                    session = self.open(id, driver).await?;
+                }
+                Err(e) if e.is_connection_loss() && g.reconnects < MAX_RECOVERIES => {
+                    tracing::warn!(verifier = %self.cfg.addr, "lost the verifier ({e}); reconnecting");
+                    g.reconnects += 1;
+                    g.bytes_up += session.bytes_up;
+                    g.bytes_down += session.bytes_down;
+                    driver.connection_lost();
+                    if let Some(r) = self.remote.take() {
+                        tokio::spawn(r.shutdown());
+                    }
                     let token = session.resume_token();
                     session = self.recover(id, token, driver, &mut on_round).await?;
                 }
                 Err(e) => return Err(e.into()),
             }
+            if served_by.last() != Some(&self.cfg.addr) {
+                served_by.push(self.cfg.addr);
+            }
         }
+        g.served_by = served_by;
         g.bytes_up += session.bytes_up;
         g.bytes_down += session.bytes_down;
         let _ = session.close().await;
@@ -147,20 +325,55 @@ impl Client {
         Ok(g)
     }
 
-    /// Opens `driver`'s session (at the start, or again with everything committed).
+    /// Opens `driver`'s session (at the start, or again with everything committed) on the
+    /// current verifier, or on another one when it is gone, busy or draining.
     async fn open(
         &mut self,
         id: u64,
         driver: &mut RoundDriver<'_>,
     ) -> Result<RemoteSession, ClientError> {
-        let (prompt, params) = driver.open_request();
-        let session = self.remote().await?.open(id, prompt, params).await?;
-        driver.set_limits(session.limits());
-        Ok(session)
+        let mut tries = 0;
+        loop {
+            if self.remote.is_none() {
+                self.place().await?;
+            }
+            let remote = self.remote.as_ref().expect("just placed");
+            let (prompt, params) = driver.open_request();
+            let error = match remote.open(id, prompt, params).await {
+                Ok(session) => {
+                    driver.set_limits(session.limits());
+                    return Ok(session);
+                }
+                Err(e) => e,
+            };
+            tries += 1;
+            // Elsewhere, if there is an elsewhere.
+            let away = match &error {
+                RemoteError::Refused(ErrorFrame {
+                    code: ErrorCode::Busy,
+                    retry_after_ms,
+                    ..
+                }) if self.known > 1 => {
+                    Duration::from_millis(retry_after_ms.unwrap_or(1000).into())
+                }
+                RemoteError::Refused(ErrorFrame {
+                    code: ErrorCode::Draining,
+                    ..
+                }) => DRAINING_FOR,
+                e if e.is_connection_loss() => DEAD_FOR,
+                _ => return Err(error.into()),
+            };
+            if tries >= MAX_PLACEMENTS {
+                return Err(error.into());
+            }
+            tracing::info!(verifier = %self.cfg.addr, "{error}; opening the session on another verifier");
+            self.leave(away);
+        }
     }
 
-    /// After a lost connection: resume the session if the verifier still holds it (taking any
-    /// tokens of a round whose answer was lost), else open a new one with everything committed.
+    /// After a lost connection: resume the session if its verifier answers again soon and still
+    /// holds it (taking any tokens of a round whose answer was lost), else open it again with
+    /// everything committed, there or on another verifier.
     async fn recover(
         &mut self,
         id: u64,
@@ -168,7 +381,19 @@ impl Client {
         driver: &mut RoundDriver<'_>,
         on_round: &mut impl FnMut(&RoundOutput),
     ) -> Result<RemoteSession, ClientError> {
-        match self.remote().await?.resume(id, resume_token).await {
+        let wait = RESUME_WAIT.min(self.cfg.idle_timeout / 2);
+        let remote = match tokio::time::timeout(wait, Remote::connect(&self.cfg)).await {
+            Ok(Ok(remote)) => remote,
+            Ok(Err(e)) if !e.is_connection_loss() => return Err(e.into()),
+            _ => {
+                tracing::info!(verifier = %self.cfg.addr, "the verifier does not answer; re-opening the session on another");
+                self.leave(DEAD_FOR);
+                return self.open(id, driver).await;
+            }
+        };
+        let resumed = remote.resume(id, resume_token).await;
+        self.remote = Some(remote);
+        match resumed {
             Ok((session, server)) => match driver.on_resumed(&server)? {
                 Recovery::Resumed(out) => {
                     if !out.tokens.is_empty() {
@@ -181,13 +406,34 @@ impl Client {
                 // seed and the committed length.
                 Recovery::Reopen => self.open(id, driver).await,
             },
-            // Gone (grace period over, or the verifier restarted).
+            // Gone (grace period over, or the verifier restarted), or draining: `open` goes
+            // elsewhere when it must.
             Err(RemoteError::Refused(ErrorFrame {
-                code: ErrorCode::UnknownSession,
+                code: ErrorCode::UnknownSession | ErrorCode::Draining,
                 ..
             })) => self.open(id, driver).await,
+            Err(e) if e.is_connection_loss() => {
+                self.leave(DEAD_FOR);
+                self.open(id, driver).await
+            }
             Err(e) => Err(e.into()),
         }
+    }
+}
+
+/// Fisher-Yates with a splitmix64 stream: placement needs a fair order, not a secret one.
+fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for i in (1..items.len()).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        items.swap(i, j);
     }
 }
 

@@ -12,7 +12,7 @@ use specinfer_model::fetch::{self, FetchEvent};
 use specinfer_model::{
     gguf_tokenizer_and_context, load_gguf, ChatMessage, FeatureDrafter, Llama, Tokenizer,
 };
-use specinfer_net::{NetError, RemoteConfig, Trust};
+use specinfer_net::{NetError, RemoteConfig, Trust, VerifierAddrs};
 use specinfer_onnx::OnnxModel;
 use specinfer_speculator::{
     CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
@@ -84,7 +84,8 @@ pub enum VerifierChoice {
     /// In this process, on loopback QUIC (the `embedded-verifier` feature).
     Embedded,
     Remote {
-        /// HOST:PORT.
+        /// HOST:PORT, or several comma-separated (a fleet; a name may resolve to several
+        /// addresses, as a Kubernetes headless Service does).
         server: String,
         /// The name the certificate must carry (ignored when pinning).
         server_name: String,
@@ -188,7 +189,11 @@ pub struct ClientSetup {
     /// The seed every request samples with; `None`: a fresh one each.
     pub seed: Option<u64>,
     pub draft_mode: DraftMode,
+    /// How to reach a verifier (its `addr` is the first of `verifiers` here; the client
+    /// places each connection itself).
     pub remote: RemoteConfig,
+    /// The verifiers to choose from.
+    pub verifiers: VerifierAddrs,
     /// The LLM's context, in positions (read from its GGUF).
     pub context_tokens: usize,
     pub pipeline: bool,
@@ -243,7 +248,7 @@ impl ClientSetup {
             None => Vec::new(),
         };
         let tok = Arc::new(tok);
-        let (remote, embedded) = verifier(opts, &tok, llm)?;
+        let (remote, verifiers, embedded) = verifier(opts, &tok, llm)?;
         Ok(ClientSetup {
             tok,
             drafts,
@@ -255,6 +260,7 @@ impl ClientSetup {
             },
             draft_mode,
             remote,
+            verifiers,
             context_tokens,
             pipeline: opts.pipeline,
             lookup: (opts.lookup > 0).then(|| ContextLookup {
@@ -265,9 +271,9 @@ impl ClientSetup {
         })
     }
 
-    /// A connection to the verifier.
+    /// A connection to the verifier (to the least loaded of two, when there are several).
     pub async fn connect(&self) -> Result<Client> {
-        Ok(Client::connect(self.remote.clone()).await?)
+        Ok(Client::connect_fleet(self.remote.clone(), self.verifiers.clone()).await?)
     }
 
     /// One request's parameters: the defaults, with a fresh seed unless one was set (the same
@@ -465,12 +471,12 @@ fn load_feature_drafter(
     Ok(DraftSource::Feature(Arc::new(m)))
 }
 
-/// The verifier to reach, and the embedded one started for it.
+/// How to reach the verifiers, which ones, and the embedded one started for them.
 fn verifier(
     opts: &ClientOptions,
     tok: &Tokenizer,
     llm: Option<Arc<Llama>>,
-) -> Result<(RemoteConfig, Option<Embedded>)> {
+) -> Result<(RemoteConfig, VerifierAddrs, Option<Embedded>)> {
     match &opts.verifier {
         VerifierChoice::Remote {
             server,
@@ -478,12 +484,11 @@ fn verifier(
             trust,
             api_key,
         } => {
-            use std::net::ToSocketAddrs;
-            let addr = server
-                .to_socket_addrs()
-                .map_err(|e| SetupError::Invalid(format!("resolving {server}: {e}")))?
-                .next()
-                .ok_or_else(|| SetupError::Invalid(format!("{server} resolves to no address")))?;
+            let verifiers = VerifierAddrs::parse(server)
+                .map_err(|e| SetupError::Invalid(format!("--server: {e}")))?;
+            // Resolved now for a clear error before anything else; the client resolves the
+            // names again at each placement, following the fleet as it changes.
+            let addr = first_address(server)?;
             let cfg = RemoteConfig {
                 addr,
                 server_name: server_name.clone(),
@@ -492,7 +497,7 @@ fn verifier(
                 expected_model: tok.fingerprint(),
                 idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
             };
-            Ok((cfg, None))
+            Ok((cfg, verifiers, None))
         }
         #[cfg(feature = "embedded-verifier")]
         VerifierChoice::Embedded => {
@@ -502,7 +507,7 @@ fn verifier(
                 tok,
                 specinfer_verifier::engine::EngineConfig::default(),
             )?;
-            Ok((e.remote.clone(), Some(e)))
+            Ok((e.remote.clone(), VerifierAddrs::one(e.remote.addr), Some(e)))
         }
         #[cfg(not(feature = "embedded-verifier"))]
         VerifierChoice::Embedded => {
@@ -513,6 +518,27 @@ fn verifier(
             ))
         }
     }
+}
+
+/// The first address any entry of a `--server` list resolves to (without a runtime: setup
+/// runs before the client's).
+fn first_address(server: &str) -> Result<std::net::SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let mut first_error = None;
+    for entry in server.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        match entry.to_socket_addrs().map(|mut a| a.next()) {
+            Ok(Some(addr)) => return Ok(addr),
+            Ok(None) => {
+                first_error.get_or_insert(format!("{entry} resolves to no address"));
+            }
+            Err(e) => {
+                first_error.get_or_insert(format!("resolving {entry}: {e}"));
+            }
+        }
+    }
+    Err(SetupError::Invalid(
+        first_error.unwrap_or_else(|| "no verifier address given".into()),
+    ))
 }
 
 /// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by

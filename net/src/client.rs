@@ -18,6 +18,10 @@ pub enum RemoteError {
     Refused(ErrorFrame),
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The verifier is draining and closed the session instead of running its round
+    /// ([`Message::Move`]): re-open it on another verifier with the committed tokens.
+    #[error("the verifier is draining and moved the session")]
+    Moved,
 }
 
 impl RemoteError {
@@ -107,6 +111,11 @@ impl Remote {
                 "verifier closed the hello stream".into(),
             )),
         }
+    }
+
+    /// The verifier's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.conn.remote_address()
     }
 
     /// Closes the connection and waits (briefly) until the verifier has been told.
@@ -265,6 +274,7 @@ impl RemoteSession {
                 self.round += 1;
                 Ok(v)
             }
+            Message::Move { session } if session == self.session => Err(RemoteError::Moved),
             other => Err(unexpected("Verified", other)),
         }
     }

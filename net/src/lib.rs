@@ -1,14 +1,16 @@
 //! specinfer's network layer, shared by the verifier and every native client: frames over
 //! streams (QUIC, or WebTransport for browsers) in [`frames`], TLS (certificate pinning, CA
 //! roots, self-signed identities) in [`tls`], and the client's connection to a verifier in
-//! [`client`]; a UDP relay that adds a wide-area path's delay, jitter and loss in [`relay`]
+//! [`client`], the verifiers it may choose from in [`addrs`]; a UDP relay that adds a wide-area path's delay, jitter and loss in [`relay`]
 //! (benchmarks and fault tests). The protocol itself (messages, validation) is `specinfer-wire`'s, sans-I/O.
 
+pub mod addrs;
 pub mod client;
 pub mod frames;
 pub mod relay;
 pub mod tls;
 
+pub use addrs::{AddrsError, VerifierAddrs};
 pub use client::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use frames::{read_frame, read_frame_within, write_frame, FRAME_DEADLINE};
 pub use relay::{probe_round_trips, RelayConfig, UdpRelay};

@@ -38,6 +38,16 @@ impl ServerIdentity {
         })
     }
 
+    /// A fresh self-signed certificate for `names` and its key, in PEM: one identity a whole
+    /// fleet can share (from files, or a Kubernetes Secret), so clients pin one fingerprint.
+    pub fn self_signed_pem(names: &[&str]) -> Result<(String, String), NetError> {
+        let ck = rcgen::generate_simple_self_signed(
+            names.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        )
+        .map_err(|e| NetError::Tls(e.to_string()))?;
+        Ok((ck.cert.pem(), ck.signing_key.serialize_pem()))
+    }
+
     /// A fresh self-signed ECDSA P-256 certificate valid for 13 days: what a browser accepts
     /// through WebTransport's `serverCertificateHashes` (at most 14 days) without any CA.
     pub fn self_signed_for_browsers(names: &[&str]) -> Result<Self, NetError> {

@@ -15,7 +15,9 @@ use crate::{merge_trees, DepthController, DraftMode, DraftModel, RoundObservatio
 pub struct Speculator {
     pub shape: TreeShape,
     pub mode: DraftMode,
-    rng: ChaCha8Rng,
+    /// Each tree's draws come from this seed and the committed length it is drafted at (see
+    /// [`Speculator::draws_at`]), never from a stream carried across rounds.
+    seed: u64,
     depth: DepthController,
     /// The last tree [`Speculator::draft`] built for sending, until its round is observed.
     drafted: Option<Drafted>,
@@ -57,7 +59,7 @@ impl Speculator {
         Speculator {
             shape,
             mode,
-            rng: ChaCha8Rng::seed_from_u64(seed),
+            seed,
             depth: DepthController::new(max_depth),
             drafted: None,
             calibration: Calibration::default(),
@@ -119,11 +121,33 @@ impl Speculator {
         }
     }
 
+    /// The random stream of the tree drafted after `committed_len` tokens. A function of the
+    /// seed and that length only, so the tree drafted at a position is the same whether it was
+    /// drafted ahead or not, and after a failover (the session re-opened elsewhere with its
+    /// committed tokens) as in an uninterrupted run: a seeded sampled session with a fixed tree
+    /// shape is reproducible through both. Positions differ between rounds, so their streams
+    /// are independent.
+    fn draws_at(&self, committed_len: usize) -> ChaCha8Rng {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(committed_len as u64);
+        rng
+    }
+
     /// Drafts the next tree after `committed` (its root is `committed`'s last token).
     pub fn draft(
         &mut self,
         model: &mut dyn DraftModel,
         committed: &[u32],
+    ) -> Result<TokenTree, ModelError> {
+        let mut rng = self.draws_at(committed.len());
+        self.draft_with(model, committed, &mut rng)
+    }
+
+    fn draft_with(
+        &mut self,
+        model: &mut dyn DraftModel,
+        committed: &[u32],
+        rng: &mut ChaCha8Rng,
     ) -> Result<TokenTree, ModelError> {
         if !self.drafts_next() {
             return Ok(TokenTree::root(
@@ -133,27 +157,21 @@ impl Speculator {
         model.sync(committed)?;
         let (tree, drafted) = match self.shape.clone() {
             TreeShape::Expansion(expansion) => {
-                expand_tree(model, committed, &expansion, self.mode, &mut self.rng)?
+                expand_tree(model, committed, &expansion, self.mode, rng)?
             }
             TreeShape::Adaptive(expansion) => {
                 let depth = self.depth.best_depth();
-                expand_tree(
-                    model,
-                    committed,
-                    &expansion[..depth],
-                    self.mode,
-                    &mut self.rng,
-                )?
+                expand_tree(model, committed, &expansion[..depth], self.mode, rng)?
             }
             TreeShape::Dynamic { budget } => {
-                self.dynamic(model, committed, budget, Growth::ToBudget)?
+                self.dynamic(model, committed, budget, Growth::ToBudget, rng)?
             }
             TreeShape::AdaptiveDynamic { budget } => {
                 let growth = match self.depth.growth_costs(self.calibration.factor()) {
                     Some(costs) => Growth::WhilePaying(costs),
                     None => Growth::FirstWave,
                 };
-                self.dynamic(model, committed, budget, growth)?
+                self.dynamic(model, committed, budget, growth, rng)?
             }
         };
         self.drafted = Some(drafted);
@@ -167,6 +185,7 @@ impl Speculator {
         committed: &[u32],
         budget: usize,
         growth: Growth,
+        rng: &mut ChaCha8Rng,
     ) -> Result<(TokenTree, Drafted), ModelError> {
         match self.mode {
             DraftMode::Greedy => dynamic_tree(
@@ -182,7 +201,7 @@ impl Speculator {
                 top_k,
                 draw,
             } => {
-                let mut frontier = DrawnTokens::new(temperature, top_p, top_k, draw, &mut self.rng);
+                let mut frontier = DrawnTokens::new(temperature, top_p, top_k, draw, rng);
                 let (tree, drafted) =
                     dynamic_tree(model, committed, budget, growth, &mut frontier)?;
                 Ok((frontier.attach(tree), drafted))
@@ -248,9 +267,11 @@ impl Speculator {
         models: &mut [M],
         committed: &[u32],
     ) -> Result<TokenTree, ModelError> {
+        // One stream for all the models, so their draws are independent of each other.
+        let mut rng = self.draws_at(committed.len());
         let mut trees = Vec::with_capacity(models.len());
         for m in models.iter_mut() {
-            trees.push(self.draft(m, committed)?);
+            trees.push(self.draft_with(m, committed, &mut rng)?);
         }
         Ok(merge_trees(&trees))
     }

