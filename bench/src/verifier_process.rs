@@ -1,5 +1,5 @@
 //! The verifier as an operator runs it: the `specinfer-verifier` binary in its own process,
-//! pinned to its own core, with its CPU time read from `/proc` and its counters from `/metrics`.
+//! pinned to its own core, with its CPU time read from `/proc` and its counters from its admin endpoint's `/metrics`.
 
 use std::io::BufRead;
 use std::net::SocketAddr;
@@ -60,7 +60,7 @@ impl VerifierProcess {
         .arg(llm)
         .arg("--ssm")
         .arg(ssm)
-        .args(["--metrics", &metrics.to_string()])
+        .args(["--admin", &metrics.to_string()])
         .env("SPECINFER_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -124,7 +124,7 @@ impl VerifierProcess {
     /// A counter from its Prometheus endpoint.
     pub async fn counter(&self, name: &str) -> Result<f64> {
         let mut sock = tokio::net::TcpStream::connect(self.metrics).await?;
-        sock.write_all(b"GET /metrics HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        sock.write_all(b"GET /metrics HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
             .await?;
         let mut body = String::new();
         tokio::time::timeout(Duration::from_secs(5), sock.read_to_string(&mut body)).await??;
