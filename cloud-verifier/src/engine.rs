@@ -31,6 +31,7 @@ use specinfer_wire::{
 use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
+use crate::prefix::PrefixCache;
 use crate::session::{run_batch, Done, Work};
 use crate::{RoundOutcome, Session, SessionError};
 
@@ -50,6 +51,10 @@ pub struct EngineConfig {
     pub detach_grace: Duration,
     /// Requests the engine queue holds before answering "busy".
     pub queue_depth: usize,
+    /// KV cache bytes kept of sessions that ended, for later sessions that start with the
+    /// same tokens (a chat's next turn, a shared system prompt); part of `kv_budget_bytes`,
+    /// evicted first when sessions need the room. 0 turns prefix reuse off.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -63,6 +68,7 @@ impl Default for EngineConfig {
             idle_timeout: Duration::from_secs(300),
             detach_grace: Duration::from_secs(30),
             queue_depth: 1024,
+            prefix_cache_bytes: 512 << 20,
         }
     }
 }
@@ -291,6 +297,10 @@ struct Driving {
     queued: bool,
 }
 
+/// The fewest shared tokens worth reusing a cached prefix for (fewer cost about as little to
+/// prefill as to look up).
+const MIN_PREFIX_TOKENS: usize = 16;
+
 /// Prompt tokens the oldest opening session prefills per iteration even when verification
 /// rounds fill the node budget, so a prefill always progresses.
 const MIN_PREFILL_CHUNK: usize = 32;
@@ -331,7 +341,6 @@ pub fn spawn<M: TreeModel + 'static>(
             let _alive = EngineAlive(metrics.clone());
             Engine {
                 model,
-                cfg,
                 metrics,
                 sessions: HashMap::new(),
                 pending: VecDeque::new(),
@@ -340,6 +349,8 @@ pub fn spawn<M: TreeModel + 'static>(
                 forward_cost: AffineFit::default(),
                 epoch: Instant::now(),
                 draining: false,
+                prefixes: PrefixCache::new(cfg.prefix_cache_bytes),
+                cfg,
             }
             .run(rx, notices_rx)
         })
@@ -398,6 +409,8 @@ struct Engine<M: TreeModel> {
     epoch: Instant,
     /// See [`EngineHandle::drain`].
     draining: bool,
+    /// Closed sessions' K/V, for sessions that start with the same tokens.
+    prefixes: PrefixCache<M::Cache>,
 }
 
 impl<M: TreeModel> Engine<M> {
@@ -516,7 +529,7 @@ impl<M: TreeModel> Engine<M> {
                     e.detached_at = Some(Instant::now());
                 }
             }
-            Request::Close { id } => self.remove(id, "closed"),
+            Request::Close { id } => self.close(id),
             Request::Drain => {
                 self.draining = true;
                 let detached: Vec<SessionId> = self
@@ -699,17 +712,39 @@ impl<M: TreeModel> Engine<M> {
                 ),
             ));
         }
+        // Reuse the longest cached prefix of the prompt (all but its last token, the first
+        // round's root). Not for sessions that want features: they need the prompt's.
+        let hit = if params.return_features {
+            None
+        } else {
+            self.prefixes
+                .take_longest(&prompt[..prompt.len() - 1], MIN_PREFIX_TOKENS)
+        };
+        // Cached prefixes give way to sessions.
+        while self.kv_bytes() + self.prefixes.bytes() + need > self.cfg.kv_budget_bytes
+            && self.prefixes.evict_oldest()
+        {}
+        self.publish_prefixes();
         if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
             return Err(EngineError::busy("the verifier's KV memory is full"));
         }
-        let session =
-            Session::new(&*self.model, &prompt, params, &self.cfg.limits).map_err(|e| {
-                let code = match e {
-                    SessionError::FeaturesUnsupported => ErrorCode::Unsupported,
-                    _ => ErrorCode::BadFrame,
-                };
-                EngineError::new(code, e.to_string())
-            })?;
+        let session = match hit {
+            Some(hit) => {
+                self.metrics.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                self.metrics
+                    .prefix_tokens_reused
+                    .fetch_add(hit.tokens as u64, Ordering::Relaxed);
+                Session::with_cache(&*self.model, &prompt, params, &self.cfg.limits, hit.cache)
+            }
+            None => Session::new(&*self.model, &prompt, params, &self.cfg.limits),
+        }
+        .map_err(|e| {
+            let code = match e {
+                SessionError::FeaturesUnsupported => ErrorCode::Unsupported,
+                _ => ErrorCode::BadFrame,
+            };
+            EngineError::new(code, e.to_string())
+        })?;
         let id = self.next_id;
         self.next_id += 1;
         let resume_token = fresh_resume_token()?;
@@ -731,6 +766,30 @@ impl<M: TreeModel> Engine<M> {
             .store(self.sessions.len() as u64, Ordering::Relaxed);
         tracing::debug!(id, prompt = prompt.len(), "session opened");
         Ok(id)
+    }
+
+    /// Ends a session its client closed, keeping its K/V as a prefix for later sessions.
+    fn close(&mut self, id: SessionId) {
+        let Some(e) = self.sessions.remove(&id) else {
+            return;
+        };
+        self.metrics
+            .sessions_active
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        tracing::debug!(id, "session closed");
+        if e.opening.is_none() && !self.draining {
+            let bytes = e.session.kv_bytes();
+            let (tokens, cache) = e.session.into_prefix();
+            self.prefixes
+                .insert(tokens, cache, bytes, MIN_PREFIX_TOKENS);
+            self.publish_prefixes();
+        }
+    }
+
+    fn publish_prefixes(&self) {
+        self.metrics
+            .prefix_cache_bytes
+            .store(self.prefixes.bytes() as u64, Ordering::Relaxed);
     }
 
     fn remove(&mut self, id: SessionId, why: &str) {

@@ -114,6 +114,12 @@ pub struct Metrics {
     pub draining: AtomicU64,
     /// Sessions told to move to another verifier while draining.
     pub sessions_moved: AtomicU64,
+    /// KV bytes held by cached prefixes of ended sessions (a gauge).
+    pub prefix_cache_bytes: AtomicU64,
+    /// Sessions that started from a cached prefix.
+    pub prefix_hits: AtomicU64,
+    /// Prompt tokens not prefilled thanks to cached prefixes.
+    pub prefix_tokens_reused: AtomicU64,
     /// Whether the engine thread runs (false once it ended, by return or panic).
     pub engine_alive: AtomicBool,
     /// When the engine loop last went round, in milliseconds since the engine started: a loop
@@ -147,6 +153,9 @@ impl Default for Metrics {
             last_batch_nodes: AtomicU64::new(0),
             draining: AtomicU64::new(0),
             sessions_moved: AtomicU64::new(0),
+            prefix_cache_bytes: AtomicU64::new(0),
+            prefix_hits: AtomicU64::new(0),
+            prefix_tokens_reused: AtomicU64::new(0),
             engine_alive: AtomicBool::new(true),
             engine_heartbeat_ms: AtomicU64::new(0),
             tau: Histogram::new(COUNTS),
@@ -303,6 +312,27 @@ impl Metrics {
             "counter",
             "Sessions told to move to another verifier while draining.",
             &self.sessions_moved,
+        );
+        counter(
+            &mut out,
+            "specinfer_prefix_cache_bytes",
+            "gauge",
+            "KV bytes held by cached prefixes of ended sessions.",
+            &self.prefix_cache_bytes,
+        );
+        counter(
+            &mut out,
+            "specinfer_prefix_hits_total",
+            "counter",
+            "Sessions that started from a cached prefix.",
+            &self.prefix_hits,
+        );
+        counter(
+            &mut out,
+            "specinfer_prefix_tokens_reused_total",
+            "counter",
+            "Prompt tokens not prefilled thanks to cached prefixes.",
+            &self.prefix_tokens_reused,
         );
         counter(
             &mut out,

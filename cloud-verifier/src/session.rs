@@ -138,6 +138,21 @@ impl<M: TreeModel> Session<M> {
         params: SamplingParams,
         limits: &Limits,
     ) -> Result<Self, SessionError> {
+        Self::with_cache(model, prompt, params, limits, model.new_cache()?)
+    }
+
+    /// [`Session::new`] over a cache that already holds the K/V of the prompt's first
+    /// positions (a prefix reused from an earlier session): only the rest is prefilled. The
+    /// caller vouches that the cache's committed positions are exactly those of `prompt`'s
+    /// first tokens (at most all but the last); a session that asks for features gets none
+    /// for them.
+    pub fn with_cache(
+        model: &M,
+        prompt: &[u32],
+        params: SamplingParams,
+        limits: &Limits,
+        mut cache: M::Cache,
+    ) -> Result<Self, SessionError> {
         TokenTree::chain(prompt).validate(
             model.config().vocab_size as u32,
             &Limits {
@@ -148,14 +163,16 @@ impl<M: TreeModel> Session<M> {
         if params.return_features && !model.gives_features() {
             return Err(SessionError::FeaturesUnsupported);
         }
+        let reused = M::committed(&cache).min(prompt.len().saturating_sub(1));
+        model.truncate(&mut cache, reused);
         let features = params.return_features.then(|| PendingFeatures {
-            first: 0,
+            first: reused,
             dim: model.config().d_model,
             rows: Vec::new(),
         });
         Ok(Session {
             params,
-            cache: model.new_cache()?,
+            cache,
             tokens: prompt.to_vec(),
             prompt_len: prompt.len(),
             finish: None,
@@ -207,6 +224,14 @@ impl<M: TreeModel> Session<M> {
 
     pub fn finish(&self) -> Option<FinishReason> {
         self.finish
+    }
+
+    /// Gives up the session's cache with the tokens whose K/V it holds, for reuse by a later
+    /// session that starts with them.
+    pub fn into_prefix(self) -> (Vec<u32>, M::Cache) {
+        let mut tokens = self.tokens;
+        tokens.truncate(M::committed(&self.cache));
+        (tokens, self.cache)
     }
 
     pub fn kv_bytes(&self) -> usize {

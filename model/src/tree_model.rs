@@ -35,6 +35,11 @@ pub trait TreeModel: Send + Sync {
     /// committed positions and drops the rest of the scratch region.
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()>;
 
+    /// Keeps the first `len` committed positions of `cache` (at most its committed count) and
+    /// forgets the rest: a cached prefix's K/V reused by a session whose prompt shares only
+    /// part of it.
+    fn truncate(&self, cache: &mut Self::Cache, len: usize);
+
     /// Whether [`TreeModel::forward_trees`] gives every node's feature ([`Logits::feature`]),
     /// which a session asks for to feed a feature-conditioned drafter.
     fn gives_features(&self) -> bool;
@@ -74,6 +79,10 @@ impl TreeModel for Llama {
     fn keep_path(&self, cache: &mut KvCache, path: &[u32]) -> Result<()> {
         cache.compact(path);
         Ok(())
+    }
+
+    fn truncate(&self, cache: &mut KvCache, len: usize) {
+        cache.rollback(len.min(cache.committed()));
     }
 
     fn gives_features(&self) -> bool {
@@ -120,6 +129,10 @@ impl TreeModel for crate::cuda::CudaLlama {
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()> {
         self.compact(cache, path)
+    }
+
+    fn truncate(&self, cache: &mut Self::Cache, len: usize) {
+        cache.rollback(len.min(cache.committed()));
     }
 
     /// Not yet: its forward keeps the final hidden states on the device.

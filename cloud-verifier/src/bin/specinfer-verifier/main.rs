@@ -121,6 +121,11 @@ struct ServeArgs {
     /// whole context from the start (SmolLM2: 360 MiB), so raise it there.
     #[arg(long, default_value_t = 4096)]
     kv_budget_mib: usize,
+    /// KV cache memory (part of --kv-budget-mib) kept of ended sessions, so a chat's next
+    /// turn or a request with the same system prompt prefills only what is new; 0 turns it
+    /// off. Sessions that need the room evict it first.
+    #[arg(long, default_value_t = 512)]
+    prefix_cache_mib: usize,
     /// KV cache memory one session may hold, MiB.
     #[arg(long, default_value_t = 512)]
     session_kv_mib: usize,
@@ -297,6 +302,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             max_sessions: args.max_sessions,
             kv_budget_bytes: args.kv_budget_mib << 20,
             session_kv_bytes: args.session_kv_mib << 20,
+            prefix_cache_bytes: args.prefix_cache_mib << 20,
             batch_node_budget: args.batch_nodes,
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
             detach_grace: Duration::from_secs(args.grace_s),

@@ -1,0 +1,159 @@
+//! Prefix reuse: the committed K/V of sessions that ended, kept under a byte budget and
+//! looked up by token ids, so that a chat's next turn (its prompt is the last turn's prompt and
+//! answer, and more) or another request with the same system prompt prefills only what is new.
+//!
+//! An entry is one sequence's cache, moved in when its session closes and moved out to the
+//! session that reuses it (truncated to the shared prefix): no copy either way. Least recently
+//! stored entries go first when the budget, or the engine's KV budget, needs room.
+
+use std::collections::VecDeque;
+
+/// Cached prefixes of type `C` (a model's per-sequence cache).
+pub struct PrefixCache<C> {
+    /// Oldest first.
+    entries: VecDeque<Entry<C>>,
+    bytes: usize,
+    budget: usize,
+}
+
+struct Entry<C> {
+    tokens: Vec<u32>,
+    cache: C,
+    bytes: usize,
+}
+
+/// A reused prefix: the cache and how many of the prompt's positions it holds.
+pub struct Hit<C> {
+    pub cache: C,
+    pub tokens: usize,
+}
+
+impl<C> PrefixCache<C> {
+    /// Holds at most `budget` bytes (0: keeps nothing).
+    pub fn new(budget: usize) -> Self {
+        PrefixCache {
+            entries: VecDeque::new(),
+            bytes: 0,
+            budget,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Keeps `cache`, which holds the K/V of `tokens`, evicting the oldest entries to fit; a
+    /// cache larger than the whole budget, or of fewer than `min_tokens` tokens, is dropped.
+    pub fn insert(&mut self, tokens: Vec<u32>, cache: C, bytes: usize, min_tokens: usize) {
+        if bytes > self.budget || tokens.len() < min_tokens {
+            return;
+        }
+        // A longer or equal sequence with the same start makes an older entry useless.
+        self.remove_where(|e| tokens.starts_with(&e.tokens));
+        while self.bytes + bytes > self.budget {
+            self.evict_oldest();
+        }
+        self.bytes += bytes;
+        self.entries.push_back(Entry {
+            tokens,
+            cache,
+            bytes,
+        });
+    }
+
+    /// Takes out the entry sharing the longest prefix with `prompt`, if that prefix has at
+    /// least `min_tokens` tokens. The caller truncates the cache to [`Hit::tokens`].
+    pub fn take_longest(&mut self, prompt: &[u32], min_tokens: usize) -> Option<Hit<C>> {
+        let (best, shared) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, common_prefix(&e.tokens, prompt)))
+            .max_by_key(|&(i, shared)| (shared, i))?;
+        if shared < min_tokens.max(1) {
+            return None;
+        }
+        let e = self.entries.remove(best).expect("an index from the scan");
+        self.bytes -= e.bytes;
+        Some(Hit {
+            cache: e.cache,
+            tokens: shared,
+        })
+    }
+
+    /// Drops the oldest entry; false when there is none.
+    pub fn evict_oldest(&mut self) -> bool {
+        match self.entries.pop_front() {
+            Some(e) => {
+                self.bytes -= e.bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn remove_where(&mut self, mut drop: impl FnMut(&Entry<C>) -> bool) {
+        let mut freed = 0;
+        self.entries.retain(|e| {
+            let gone = drop(e);
+            if gone {
+                freed += e.bytes;
+            }
+            !gone
+        });
+        self.bytes -= freed;
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_shared_prefix_is_taken_out_and_the_budget_holds() {
+        let mut c = PrefixCache::new(100);
+        c.insert(vec![1, 2, 3, 4], "a", 40, 1);
+        c.insert(vec![1, 2, 9], "b", 40, 1);
+        assert_eq!((c.len(), c.bytes()), (2, 80));
+        // Shares 3 tokens with "a", 2 with "b".
+        let hit = c.take_longest(&[1, 2, 3, 7, 7], 1).unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("a", 3));
+        assert_eq!((c.len(), c.bytes()), (1, 40));
+        // Below the minimum shared length: nothing.
+        assert!(c.take_longest(&[1, 2, 9, 9], 4).is_none());
+        assert!(c.take_longest(&[5], 1).is_none());
+        // Room is made by evicting the oldest; an entry over the whole budget is not kept.
+        c.insert(vec![5, 6], "c", 40, 1);
+        c.insert(vec![7, 8], "d", 40, 1);
+        assert_eq!((c.len(), c.bytes()), (2, 80));
+        assert!(c.take_longest(&[1, 2, 9], 1).is_none(), "b was the oldest");
+        c.insert(vec![1], "huge", 101, 1);
+        assert_eq!(c.len(), 2);
+        // Too short to be worth keeping.
+        c.insert(vec![3], "short", 1, 2);
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn a_longer_turn_of_the_same_conversation_replaces_the_shorter() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(vec![1, 2, 3], "turn 1", 30, 1);
+        c.insert(vec![1, 2, 3, 4, 5], "turn 2", 50, 1);
+        assert_eq!((c.len(), c.bytes()), (1, 50));
+        assert!(c.evict_oldest());
+        assert!(!c.evict_oldest());
+        assert_eq!(c.bytes(), 0);
+    }
+}
