@@ -89,6 +89,9 @@ enum SectionName {
     /// The verifier's capacity: server-only, server-side speculation and the split under
     /// Poisson load, pinned processes, a delaying relay.
     Capacity,
+    /// The verifier fleet: failover time after a SIGKILL, goodput during a rolling restart,
+    /// time to first token with prefix reuse (three verifier processes on loopback).
+    Fleet,
 }
 
 impl SectionName {
@@ -283,6 +286,7 @@ fn main() -> Result<()> {
             }
             SectionName::Qwen => sections::qwen::run(args.quick)?,
             SectionName::Capacity => capacity(&args, &ctx, &llm_path)?,
+            SectionName::Fleet => sections::fleet::run(&ctx, &llm_path, &args.ssm, args.quick)?,
         };
         done.push(section);
     }

@@ -12,6 +12,20 @@ use specinfer_net::{RemoteConfig, Trust};
 use specinfer_wire::ModelFingerprint;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// How to start a verifier process beyond the defaults of [`VerifierProcess::start`].
+pub struct VerifierOptions<'a> {
+    /// The core to pin it to.
+    pub core: Option<usize>,
+    pub llm: &'a Path,
+    /// Its own draft model (server-side speculation).
+    pub ssm: Option<&'a Path>,
+    pub listen: SocketAddr,
+    /// A certificate and key (PEM) shared with other verifiers; `None`: a fresh self-signed one.
+    pub identity: Option<(&'a Path, &'a Path)>,
+    /// More `serve` flags.
+    pub extra: Vec<String>,
+}
+
 pub struct VerifierProcess {
     child: Child,
     /// The verifier's QUIC address.
@@ -27,6 +41,18 @@ impl VerifierProcess {
     /// specinfer-verifier`) on `llm`, with `ssm` as its own draft model, pinned to `core` when
     /// given; waits until it listens.
     pub fn start(core: Option<usize>, llm: &Path, ssm: &Path) -> Result<Self> {
+        Self::start_with(&VerifierOptions {
+            core,
+            llm,
+            ssm: Some(ssm),
+            listen: "127.0.0.1:0".parse().expect("literal"),
+            identity: None,
+            extra: Vec::new(),
+        })
+    }
+
+    /// The verifier binary next to this one.
+    pub fn exe() -> Result<std::path::PathBuf> {
         let exe = std::env::current_exe()?
             .parent()
             .context("the bench binary has a folder")?
@@ -37,11 +63,17 @@ impl VerifierProcess {
                 exe.display()
             );
         }
+        Ok(exe)
+    }
+
+    /// Starts the verifier binary as `opts` say; waits until it listens.
+    pub fn start_with(opts: &VerifierOptions) -> Result<Self> {
+        let exe = Self::exe()?;
         let metrics = {
             let l = std::net::TcpListener::bind("127.0.0.1:0")?;
             l.local_addr()?
         };
-        let mut cmd = match core {
+        let mut cmd = match opts.core {
             Some(c) => {
                 let mut t = Command::new("taskset");
                 t.args(["-c", &c.to_string()]).arg(&exe);
@@ -52,24 +84,36 @@ impl VerifierProcess {
         cmd.args([
             "serve",
             "--listen",
-            "127.0.0.1:0",
-            "--self-signed",
+            &opts.listen.to_string(),
             "--insecure-no-auth",
-        ])
-        .arg("--llm")
-        .arg(llm)
-        .arg("--ssm")
-        .arg(ssm)
-        .args(["--admin", &metrics.to_string()])
-        .env("SPECINFER_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        ]);
+        match opts.identity {
+            Some((cert, key)) => cmd.arg("--cert").arg(cert).arg("--key").arg(key),
+            None => cmd.arg("--self-signed"),
+        };
+        if let Some(ssm) = opts.ssm {
+            cmd.arg("--ssm").arg(ssm);
+        }
+        cmd.arg("--llm")
+            .arg(opts.llm)
+            .args(&opts.extra)
+            .args(["--admin", &metrics.to_string()])
+            .env("SPECINFER_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {}", exe.display()))?;
         let stdout = child.stdout.take().context("the verifier's stdout")?;
-        let (mut pin, mut addr) = (None, None);
-        for line in std::io::BufReader::new(stdout).lines() {
+        let mut pin = match opts.identity {
+            Some((cert, key)) => {
+                Some(specinfer_net::ServerIdentity::from_pem(cert, key)?.fingerprint())
+            }
+            None => None,
+        };
+        let mut addr = None;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        for line in lines.by_ref() {
             let line = line?;
             if let Some(p) = line.split("(pin it on clients): ").nth(1) {
                 pin = Some(p.trim().to_string());
@@ -82,6 +126,8 @@ impl VerifierProcess {
                 break;
             }
         }
+        // Keep reading what it prints later, or its next line would find the pipe closed.
+        std::thread::spawn(move || lines.for_each(drop));
         let (Some(pin), Some(addr)) = (pin, addr) else {
             let _ = child.kill();
             bail!("the verifier exited before it listened");
@@ -105,6 +151,30 @@ impl VerifierProcess {
             expected_model: model,
             idle_timeout: RemoteConfig::DEFAULT_IDLE_TIMEOUT,
         })
+    }
+
+    /// Its admin endpoint (metrics, probes, drain).
+    pub fn admin(&self) -> SocketAddr {
+        self.metrics
+    }
+
+    /// Waits until the process has exited (after a drain); false if it did not within `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Result<bool> {
+        let until = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < until {
+            if self.child.try_wait()?.is_some() {
+                return Ok(true);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(false)
+    }
+
+    /// SIGKILL, and wait for it to be gone.
+    pub fn kill(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
     }
 
     /// CPU seconds (user + system) the process has used so far.

@@ -55,6 +55,9 @@ pub struct EngineConfig {
     /// same tokens (a chat's next turn, a shared system prompt); part of `kv_budget_bytes`,
     /// evicted first when sessions need the room. 0 turns prefix reuse off.
     pub prefix_cache_bytes: usize,
+    /// Sessions one API key may hold at once (0: no quota), so one client cannot take every
+    /// session of the verifier. Sessions of unauthenticated connections have no quota.
+    pub max_sessions_per_key: usize,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +72,7 @@ impl Default for EngineConfig {
             detach_grace: Duration::from_secs(30),
             queue_depth: 1024,
             prefix_cache_bytes: 512 << 20,
+            max_sessions_per_key: 32,
         }
     }
 }
@@ -280,6 +284,9 @@ struct Entry<M: TreeModel> {
     resume_token: [u8; 16],
     /// The key of the connection that opened it.
     owner: KeyId,
+    /// The KV bytes it may grow to (prompt, max_new_tokens and a tree), reserved when it was
+    /// admitted: admission counts what sessions will hold, not what they hold now.
+    reserved: usize,
     last_used: Instant,
     detached_at: Option<Instant>,
     /// While the prompt is being prefilled: who waits for the session, and since when.
@@ -552,6 +559,10 @@ impl<M: TreeModel> Engine<M> {
         self.sessions.values().map(|e| e.session.kv_bytes()).sum()
     }
 
+    fn reserved_bytes(&self) -> usize {
+        self.sessions.values().map(|e| e.reserved).sum()
+    }
+
     fn prefilling(&self) -> bool {
         self.sessions.values().any(|e| e.opening.is_some())
     }
@@ -686,6 +697,16 @@ impl<M: TreeModel> Engine<M> {
                 self.cfg.max_sessions
             )));
         }
+        let quota = self.cfg.max_sessions_per_key;
+        // Without authentication there is no tenant to hold to a quota.
+        if quota > 0
+            && owner.is_some()
+            && self.sessions.values().filter(|e| e.owner == owner).count() >= quota
+        {
+            return Err(EngineError::busy(format!(
+                "this API key holds {quota} sessions, its quota on this verifier"
+            )));
+        }
         let cfg = self.model.config();
         let per_token = 2 * cfg.n_layers * cfg.kv_row() * 4;
         let need = (prompt.len()
@@ -721,12 +742,14 @@ impl<M: TreeModel> Engine<M> {
                 .take_longest(&prompt[..prompt.len() - 1], MIN_PREFIX_TOKENS)
         };
         // Cached prefixes give way to sessions.
-        while self.kv_bytes() + self.prefixes.bytes() + need > self.cfg.kv_budget_bytes
+        while self.reserved_bytes() + self.prefixes.bytes() + need > self.cfg.kv_budget_bytes
             && self.prefixes.evict_oldest()
         {}
         self.publish_prefixes();
-        if self.kv_bytes() + need > self.cfg.kv_budget_bytes {
-            return Err(EngineError::busy("the verifier's KV memory is full"));
+        if self.reserved_bytes() + need > self.cfg.kv_budget_bytes {
+            return Err(EngineError::busy(
+                "the verifier's KV memory is reserved by the sessions it holds",
+            ));
         }
         let session = match hit {
             Some(hit) => {
@@ -754,6 +777,7 @@ impl<M: TreeModel> Engine<M> {
                 session,
                 resume_token,
                 owner,
+                reserved: need,
                 last_used: Instant::now(),
                 detached_at: None,
                 opening: None,
@@ -867,7 +891,9 @@ impl<M: TreeModel> Engine<M> {
             .iter()
             .map(|(id, _)| self.sessions.remove(id).expect("checked above"))
             .collect();
-        let results = {
+        // A panic in the forward (a bug) fails this batch's sessions, not the engine: the
+        // other sessions and every later batch go on.
+        let batch = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut work: Vec<(&mut Session<M>, Work)> = entries
                 .iter_mut()
                 .zip(&jobs)
@@ -880,6 +906,13 @@ impl<M: TreeModel> Engine<M> {
                 })
                 .collect();
             run_batch(&*self.model, &self.cfg.limits, &mut work)
+        }));
+        let results = match batch {
+            Ok(results) => results,
+            Err(_) => {
+                self.fail_batch(jobs, entries);
+                return;
+            }
         };
         let forward = started.elapsed();
         let rounds = jobs
@@ -976,6 +1009,40 @@ impl<M: TreeModel> Engine<M> {
                 },
             }
         }
+    }
+
+    /// After a panic in a batch's forward: its sessions (whose caches may be half-written)
+    /// are closed, each waiting client told so.
+    fn fail_batch(&mut self, jobs: Vec<(SessionId, Job)>, entries: Vec<Entry<M>>) {
+        self.metrics.engine_panics.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            sessions = jobs.len(),
+            "a batched forward panicked (a bug): its sessions are closed, the engine goes on"
+        );
+        let failed = || {
+            EngineError::new(
+                ErrorCode::Internal,
+                "the verifier failed on this round (a bug, logged); the session was closed",
+            )
+        };
+        for ((_, job), mut e) in jobs.into_iter().zip(entries) {
+            match job {
+                Job::Verify(p) => match p.reply {
+                    Reply::Caller(tx) => {
+                        let _ = tx.send(Err(failed()));
+                    }
+                    Reply::Driven => self.driven_round(&mut e, Err(failed())),
+                },
+                Job::Prefill(_) => {
+                    if let Some((reply, _)) = e.opening.take() {
+                        let _ = reply.send(Err(failed()));
+                    }
+                }
+            }
+        }
+        self.metrics
+            .sessions_active
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
     }
 
     fn evict(&mut self) {

@@ -95,6 +95,8 @@ const ERROR_CODES: [ErrorCode; 12] = [
 
 pub struct Metrics {
     pub connections: AtomicU64,
+    /// Connections refused before their handshake: over the per-address or total limit.
+    pub connections_refused: AtomicU64,
     pub sessions_active: AtomicU64,
     pub sessions_opened: AtomicU64,
     pub rounds: AtomicU64,
@@ -120,6 +122,8 @@ pub struct Metrics {
     pub prefix_hits: AtomicU64,
     /// Prompt tokens not prefilled thanks to cached prefixes.
     pub prefix_tokens_reused: AtomicU64,
+    /// Batched forwards that panicked (their sessions were closed; the engine went on).
+    pub engine_panics: AtomicU64,
     /// Whether the engine thread runs (false once it ended, by return or panic).
     pub engine_alive: AtomicBool,
     /// When the engine loop last went round, in milliseconds since the engine started: a loop
@@ -140,6 +144,7 @@ impl Default for Metrics {
     fn default() -> Self {
         Metrics {
             connections: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
             sessions_active: AtomicU64::new(0),
             sessions_opened: AtomicU64::new(0),
             rounds: AtomicU64::new(0),
@@ -156,6 +161,7 @@ impl Default for Metrics {
             prefix_cache_bytes: AtomicU64::new(0),
             prefix_hits: AtomicU64::new(0),
             prefix_tokens_reused: AtomicU64::new(0),
+            engine_panics: AtomicU64::new(0),
             engine_alive: AtomicBool::new(true),
             engine_heartbeat_ms: AtomicU64::new(0),
             tau: Histogram::new(COUNTS),
@@ -238,6 +244,13 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "specinfer_connections_refused_total",
+            "counter",
+            "Connections refused before their handshake (over the per-address or total limit).",
+            &self.connections_refused,
+        );
+        counter(
+            &mut out,
             "specinfer_sessions_active",
             "gauge",
             "Sessions holding a KV cache.",
@@ -312,6 +325,13 @@ impl Metrics {
             "counter",
             "Sessions told to move to another verifier while draining.",
             &self.sessions_moved,
+        );
+        counter(
+            &mut out,
+            "specinfer_engine_panics_total",
+            "counter",
+            "Batched forwards that panicked (a bug; their sessions were closed, the engine went on).",
+            &self.engine_panics,
         );
         counter(
             &mut out,

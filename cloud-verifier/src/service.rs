@@ -7,8 +7,8 @@
 //! `web-transport-quinn`, which sits on the same quinn and rustls): a WebTransport session is
 //! handled exactly like a native connection, its bidirectional streams like QUIC streams.
 
-use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,13 +37,102 @@ pub struct ServiceConfig {
     pub fingerprint: ModelFingerprint,
     /// How long a new connection may take to say hello.
     pub hello_timeout: Duration,
+    /// Bounds on connections before anyone has authenticated.
+    pub connections: ConnectionLimits,
     /// The verifier's own draft model, for sessions that ask it to generate speculatively
     /// (`Generate` with `ServerDrafting::Speculative`); without one they are refused.
     pub server_draft: Option<engine::ServerDraft>,
 }
 
+/// How many connections the verifier holds, before authentication: a peer cannot exhaust it
+/// by opening connections, nor make it keep state for spoofed addresses.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionLimits {
+    /// Connections from one IP address at once.
+    pub per_address: usize,
+    /// Connections at once, over all addresses.
+    pub total: usize,
+    /// Above this many connections, a new one must first prove it can receive at its address
+    /// (a QUIC Retry, one more round trip), so a flood of spoofed handshakes costs no state.
+    pub retry_above: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            per_address: 64,
+            total: 4096,
+            retry_above: 256,
+        }
+    }
+}
+
+/// One admitted connection's place in the counts, given back when it ends.
+struct ConnectionSlot {
+    ctx: Arc<Ctx>,
+    ip: IpAddr,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        let mut open = self.ctx.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.total -= 1;
+        if let Some(n) = open.by_address.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.by_address.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Connections open now, by source address.
+#[derive(Default)]
+struct OpenConnections {
+    total: usize,
+    by_address: HashMap<IpAddr, usize>,
+}
+
+/// Admits `incoming` within the connection limits, or answers it (a Retry, or a refusal).
+fn admit(ctx: &Arc<Ctx>, incoming: quinn::Incoming) -> Option<(quinn::Incoming, ConnectionSlot)> {
+    let limits = ctx.cfg.connections;
+    let ip = incoming.remote_address().ip();
+    let mut open = ctx.open.lock().unwrap_or_else(|e| e.into_inner());
+    if open.total >= limits.retry_above && !incoming.remote_address_validated() {
+        drop(open);
+        if incoming.may_retry() {
+            let _ = incoming.retry();
+        } else {
+            incoming.refuse();
+        }
+        return None;
+    }
+    let from_ip = open.by_address.get(&ip).copied().unwrap_or(0);
+    if open.total >= limits.total || from_ip >= limits.per_address {
+        drop(open);
+        ctx.metrics
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%ip, from_ip, "connection refused: over the connection limits");
+        incoming.refuse();
+        return None;
+    }
+    open.total += 1;
+    *open.by_address.entry(ip).or_default() += 1;
+    drop(open);
+    Some((
+        incoming,
+        ConnectionSlot {
+            ctx: ctx.clone(),
+            ip,
+        },
+    ))
+}
+
 struct Ctx {
     cfg: ServiceConfig,
+    /// Connections open now (see [`ConnectionLimits`]).
+    open: std::sync::Mutex<OpenConnections>,
     engine: EngineHandle,
     metrics: Arc<Metrics>,
     /// When the engine started: the origin of its heartbeat.
@@ -127,6 +216,11 @@ impl VerifierControl {
         self.ctx
             .metrics
             .engine_healthy(self.ctx.started, ENGINE_STALL)
+    }
+
+    /// The engine thread has ended (a panic, or after shutdown): nothing is served any more.
+    pub fn engine_stopped(&self) -> bool {
+        !self.ctx.metrics.engine_alive.load(Ordering::Relaxed)
     }
 
     /// Healthy and not draining: new sessions are welcome.
@@ -254,6 +348,7 @@ pub fn start<M: TreeModel + 'static>(
         engine,
         metrics,
         started,
+        open: Default::default(),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
     tracing::info!(addr = %endpoint.local_addr()?, fingerprint = identity.fingerprint(), "verifier listening");
@@ -300,7 +395,11 @@ impl RunningVerifier {
         let task = tokio::spawn(async move {
             while let Some(incoming) = accept_endpoint.accept().await {
                 let ctx = ctx.clone();
+                let Some((incoming, slot)) = admit(&ctx, incoming) else {
+                    continue;
+                };
                 tokio::spawn(async move {
+                    let _slot = slot;
                     let session = async {
                         let conn = incoming.await?;
                         web_transport_quinn::Request::accept(conn)
@@ -357,8 +456,12 @@ impl RunningVerifier {
 
 async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<Ctx>) {
     while let Some(incoming) = endpoint.accept().await {
+        let Some((incoming, slot)) = admit(&ctx, incoming) else {
+            continue;
+        };
         let ctx = ctx.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             match incoming.await {
                 Ok(conn) => {
                     ctx.metrics.connections.fetch_add(1, Ordering::Relaxed);
@@ -463,6 +566,13 @@ impl Ctx {
                     "missing or unknown API key",
                 ));
             }
+        }
+        if !self.metrics.engine_alive.load(Ordering::Relaxed) {
+            return Some(error(
+                ErrorCode::Internal,
+                None,
+                "the verifier's engine has stopped; try another verifier",
+            ));
         }
         if h.expected_model != self.cfg.fingerprint {
             return Some(error(

@@ -70,9 +70,11 @@ const MAX_PLACEMENTS: usize = 6;
 const DEAD_FOR: Duration = Duration::from_secs(15);
 /// How long a draining verifier is left out of placement (about a restart).
 const DRAINING_FOR: Duration = Duration::from_secs(60);
-/// The longest a client waits to resume a session on the verifier that lost it before it
-/// re-opens the session elsewhere.
-const RESUME_WAIT: Duration = Duration::from_secs(2);
+/// How long a client tries to resume a session on the verifier that lost it before it re-opens
+/// the session elsewhere: a quarter of the idle timeout, within these bounds. The verifier has
+/// already been silent for a whole idle timeout, so a resume that takes longer than a few round
+/// trips is not coming; a short wait still catches a client whose own network changed.
+const RESUME_WAIT: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(1));
 
 /// A verifier connection that reconnects on demand, to one verifier or to the least loaded of
 /// a fleet.
@@ -381,7 +383,7 @@ impl Client {
         driver: &mut RoundDriver<'_>,
         on_round: &mut impl FnMut(&RoundOutput),
     ) -> Result<RemoteSession, ClientError> {
-        let wait = RESUME_WAIT.min(self.cfg.idle_timeout / 2);
+        let wait = (self.cfg.idle_timeout / 4).clamp(RESUME_WAIT.0, RESUME_WAIT.1);
         let remote = match tokio::time::timeout(wait, Remote::connect(&self.cfg)).await {
             Ok(Ok(remote)) => remote,
             Ok(Err(e)) if !e.is_connection_loss() => return Err(e.into()),

@@ -30,6 +30,7 @@ impl EmbeddedVerifier {
             model_name: "embedded".into(),
             fingerprint: tokenizer.fingerprint(),
             hello_timeout: Duration::from_secs(10),
+            connections: Default::default(),
             server_draft: None,
         };
         let api_key = random_key();

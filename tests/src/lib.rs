@@ -86,21 +86,33 @@ pub fn start_verifier_with(
     server_draft: Option<&'static Llama>,
     other_keys: &[&str],
 ) -> (RunningVerifier, RemoteConfig) {
-    let (model, tok) = smollm2();
+    let (model, _) = smollm2();
     let cfg = ServiceConfig {
-        engine,
         api_keys: Some(
             other_keys
                 .iter()
                 .filter_map(|k| specinfer_verifier::engine::key_id(Some(k)))
                 .collect(),
         ),
+        server_draft: server_draft.map(|m| m as specinfer_verifier::engine::ServerDraft),
+        ..service_config(engine)
+    };
+    service::start_loopback(model.clone(), API_KEY.into(), cfg).unwrap()
+}
+
+/// The tests' service configuration for SmolLM2 around `engine`: no key but the one
+/// [`service::start_loopback`] adds, no draft model of its own, default connection limits.
+pub fn service_config(engine: EngineConfig) -> ServiceConfig {
+    let (_, tok) = smollm2();
+    ServiceConfig {
+        engine,
+        api_keys: None,
         model_name: "SmolLM2-135M-Instruct".into(),
         fingerprint: tok.fingerprint(),
         hello_timeout: Duration::from_secs(5),
-        server_draft: server_draft.map(|m| m as specinfer_verifier::engine::ServerDraft),
-    };
-    service::start_loopback(model.clone(), API_KEY.into(), cfg).unwrap()
+        connections: Default::default(),
+        server_draft: None,
+    }
 }
 
 /// The LLM itself with seeded noise on its logits: it proposes the LLM's own top-k, often in the

@@ -12,13 +12,18 @@ use hyper_util::rt::TokioIo;
 use specinfer_verifier::service::VerifierControl;
 
 /// Serves until asked to stop: Ctrl-C stops at once; SIGTERM or `POST /drain` drains, and the
-/// drain ends when the last session has left, after `deadline`, or at a second signal.
-pub async fn until_stopped(control: &VerifierControl, deadline: Duration) {
+/// drain ends when the last session has left, after `deadline`, or at a second signal. Errs
+/// when the engine thread has died (a panic): the process should exit and be restarted by
+/// whatever supervises it, its clients moving to other verifiers meanwhile.
+pub async fn until_stopped(control: &VerifierControl, deadline: Duration) -> Result<()> {
     let mut term = terminate_signal();
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => return,
+        _ = tokio::signal::ctrl_c() => return Ok(()),
         _ = term.recv() => control.drain(),
         _ = drained(control) => {}
+        _ = engine_stopped(control) => {
+            bail!("the engine thread stopped (see the log above); exiting so that the verifier is restarted")
+        }
     }
     let started = Instant::now();
     tracing::info!(
@@ -42,6 +47,13 @@ pub async fn until_stopped(control: &VerifierControl, deadline: Duration) {
         ),
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+async fn engine_stopped(control: &VerifierControl) {
+    while !control.engine_stopped() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -117,8 +117,10 @@ struct ServeArgs {
     /// is busy and when to retry
     #[arg(long, default_value_t = 64)]
     max_sessions: usize,
-    /// KV cache memory for all sessions together, MiB. On a GPU each session holds the model's
-    /// whole context from the start (SmolLM2: 360 MiB), so raise it there.
+    /// KV cache memory for all sessions together, MiB: a session is admitted when what it may
+    /// grow to (prompt, max_new_tokens, a tree) fits beside what the admitted ones may grow
+    /// to. On a GPU each session holds the model's whole context from the start (SmolLM2:
+    /// 360 MiB), so raise it there.
     #[arg(long, default_value_t = 4096)]
     kv_budget_mib: usize,
     /// KV cache memory (part of --kv-budget-mib) kept of ended sessions, so a chat's next
@@ -126,6 +128,16 @@ struct ServeArgs {
     /// off. Sessions that need the room evict it first.
     #[arg(long, default_value_t = 512)]
     prefix_cache_mib: usize,
+    /// Connections one IP address may hold at once (before any authentication).
+    #[arg(long, default_value_t = 64)]
+    max_connections_per_address: usize,
+    /// Connections at once over all addresses; above 256, new ones must first answer a QUIC
+    /// Retry (proving they receive at their address).
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+    /// Sessions one API key may hold at once (0: no quota).
+    #[arg(long, default_value_t = 32)]
+    max_sessions_per_key: usize,
     /// KV cache memory one session may hold, MiB.
     #[arg(long, default_value_t = 512)]
     session_kv_mib: usize,
@@ -303,6 +315,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             kv_budget_bytes: args.kv_budget_mib << 20,
             session_kv_bytes: args.session_kv_mib << 20,
             prefix_cache_bytes: args.prefix_cache_mib << 20,
+            max_sessions_per_key: args.max_sessions_per_key,
             batch_node_budget: args.batch_nodes,
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
             detach_grace: Duration::from_secs(args.grace_s),
@@ -314,6 +327,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             .map_or("model".into(), |n| n.to_string_lossy().into_owned()),
         fingerprint: tokenizer.fingerprint(),
         hello_timeout: Duration::from_secs(10),
+        connections: service::ConnectionLimits {
+            per_address: args.max_connections_per_address,
+            total: args.max_connections,
+            ..Default::default()
+        },
         server_draft: match &args.ssm {
             Some(path) => {
                 let ssm = if path.extension().is_some_and(|e| e == "gguf") {
@@ -354,7 +372,13 @@ fn serve(args: ServeArgs) -> Result<()> {
                 service::start(Arc::new(gpu), &identity, args.listen, cfg)?
             }
         };
-        println!("listening on {} (QUIC)", server.local_addr());
+        if let Some(addr) = args.admin {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the admin endpoint on {addr}"))?;
+            println!("admin on http://{addr}/ (metrics, healthz, readyz, drain)");
+            tokio::spawn(admin::serve(listener, server.control()));
+        }
         if let Some(addr) = args.web {
             let browser_identity =
                 ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"])?;
@@ -382,16 +406,13 @@ fn serve(args: ServeArgs) -> Result<()> {
                 }
             });
         }
-        if let Some(addr) = args.admin {
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("binding the admin endpoint on {addr}"))?;
-            println!("admin on http://{addr}/ (metrics, healthz, readyz, drain)");
-            tokio::spawn(admin::serve(listener, server.control()));
-        }
-        drain::until_stopped(&server.control(), Duration::from_secs(args.drain_timeout_s)).await;
+        // Last: scripts and tests wait for this line.
+        println!("listening on {} (QUIC)", server.local_addr());
+        let served =
+            drain::until_stopped(&server.control(), Duration::from_secs(args.drain_timeout_s))
+                .await;
         tracing::info!("shutting down: finishing in-flight rounds");
         server.shutdown().await;
-        Ok(())
+        served
     })
 }
