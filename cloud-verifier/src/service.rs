@@ -129,8 +129,38 @@ fn admit(ctx: &Arc<Ctx>, incoming: quinn::Incoming) -> Option<(quinn::Incoming, 
     ))
 }
 
+/// Failed authentications, logged with the address but at most once a second (with how many
+/// went unlogged), so a key-guessing client cannot flood the log.
+struct AuthFailures {
+    last_logged: Option<Instant>,
+    unlogged: u64,
+}
+
+impl AuthFailures {
+    const EVERY: Duration = Duration::from_secs(1);
+
+    fn record(&mut self, from: SocketAddr) {
+        let now = Instant::now();
+        if self
+            .last_logged
+            .is_some_and(|t| now.duration_since(t) < Self::EVERY)
+        {
+            self.unlogged += 1;
+            return;
+        }
+        tracing::warn!(
+            %from,
+            unlogged_since_last = self.unlogged,
+            "a connection presented a missing or unknown API key"
+        );
+        self.last_logged = Some(now);
+        self.unlogged = 0;
+    }
+}
+
 struct Ctx {
     cfg: ServiceConfig,
+    auth_failures: std::sync::Mutex<AuthFailures>,
     /// Connections open now (see [`ConnectionLimits`]).
     open: std::sync::Mutex<OpenConnections>,
     engine: EngineHandle,
@@ -147,6 +177,7 @@ trait ClientConn: Send + Sync + 'static {
     fn accept_bi(&self) -> impl Future<Output = Result<(Self::Send, Self::Recv), NetError>> + Send;
     fn closed(&self) -> impl Future<Output = ()> + Send;
     fn close(&self, reason: &'static [u8]);
+    fn remote_address(&self) -> SocketAddr;
 }
 
 impl ClientConn for quinn::Connection {
@@ -163,6 +194,10 @@ impl ClientConn for quinn::Connection {
 
     fn close(&self, reason: &'static [u8]) {
         quinn::Connection::close(self, 1u32.into(), reason);
+    }
+
+    fn remote_address(&self) -> SocketAddr {
+        quinn::Connection::remote_address(self)
     }
 }
 
@@ -182,6 +217,11 @@ impl ClientConn for web_transport_quinn::Session {
 
     fn close(&self, reason: &'static [u8]) {
         web_transport_quinn::Session::close(self, 1, reason);
+    }
+
+    fn remote_address(&self) -> SocketAddr {
+        // A session is its QUIC connection underneath.
+        quinn::Connection::remote_address(self)
     }
 }
 
@@ -349,6 +389,10 @@ pub fn start<M: TreeModel + 'static>(
         metrics,
         started,
         open: Default::default(),
+        auth_failures: std::sync::Mutex::new(AuthFailures {
+            last_logged: None,
+            unlogged: 0,
+        }),
     });
     let accept = tokio::spawn(accept_loop(endpoint.clone(), ctx.clone()));
     tracing::info!(addr = %endpoint.local_addr()?, fingerprint = identity.fingerprint(), "verifier listening");
@@ -616,6 +660,16 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         Err(e) => return Err(e),
     };
     if let Some(refusal) = refusal {
+        if let Message::Error(ErrorFrame {
+            code: ErrorCode::Unauthorized,
+            ..
+        }) = &refusal
+        {
+            ctx.auth_failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .record(conn.remote_address());
+        }
         ctx.send(&mut send, &refusal).await?;
         let _ = send.shutdown().await;
         // Give the client a moment to read the reason before the connection goes.
@@ -818,6 +872,25 @@ async fn stream_generation<W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_authentications_are_logged_at_most_once_a_second() {
+        let mut f = AuthFailures {
+            last_logged: None,
+            unlogged: 0,
+        };
+        let from: SocketAddr = "192.0.2.1:5000".parse().unwrap();
+        f.record(from);
+        let first = f.last_logged.expect("the first is logged");
+        f.record(from);
+        f.record(from);
+        assert_eq!((f.last_logged, f.unlogged), (Some(first), 2));
+        // A second later the next one is logged, with the count of those that were not.
+        f.last_logged = Some(first - AuthFailures::EVERY);
+        f.record(from);
+        assert_eq!(f.unlogged, 0);
+        assert!(f.last_logged.unwrap() > first);
+    }
 
     #[test]
     fn api_key_files_hold_digests_or_plain_keys_and_both_admit_the_key() {
