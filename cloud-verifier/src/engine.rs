@@ -757,7 +757,14 @@ impl<M: TreeModel> Engine<M> {
                 self.metrics
                     .prefix_tokens_reused
                     .fetch_add(hit.tokens as u64, Ordering::Relaxed);
-                Session::with_cache(&*self.model, &prompt, params, &self.cfg.limits, hit.cache)
+                Session::with_cache(
+                    &*self.model,
+                    &prompt,
+                    params,
+                    &self.cfg.limits,
+                    hit.cache,
+                    hit.tokens,
+                )
             }
             None => Session::new(&*self.model, &prompt, params, &self.cfg.limits),
         }

@@ -138,20 +138,21 @@ impl<M: TreeModel> Session<M> {
         params: SamplingParams,
         limits: &Limits,
     ) -> Result<Self, SessionError> {
-        Self::with_cache(model, prompt, params, limits, model.new_cache()?)
+        Self::with_cache(model, prompt, params, limits, model.new_cache()?, 0)
     }
 
-    /// [`Session::new`] over a cache that already holds the K/V of the prompt's first
-    /// positions (a prefix reused from an earlier session): only the rest is prefilled. The
-    /// caller vouches that the cache's committed positions are exactly those of `prompt`'s
-    /// first tokens (at most all but the last); a session that asks for features gets none
-    /// for them.
+    /// [`Session::new`] over a cache whose first `reused` committed positions hold the K/V of
+    /// `prompt`'s first `reused` tokens (a prefix reused from an earlier session, which may
+    /// hold more after them): the cache is cut to those (at most all but the prompt's last
+    /// token), and only the rest of the prompt is prefilled. A session that asks for features
+    /// gets none for the reused positions.
     pub fn with_cache(
         model: &M,
         prompt: &[u32],
         params: SamplingParams,
         limits: &Limits,
         mut cache: M::Cache,
+        reused: usize,
     ) -> Result<Self, SessionError> {
         TokenTree::chain(prompt).validate(
             model.config().vocab_size as u32,
@@ -163,7 +164,9 @@ impl<M: TreeModel> Session<M> {
         if params.return_features && !model.gives_features() {
             return Err(SessionError::FeaturesUnsupported);
         }
-        let reused = M::committed(&cache).min(prompt.len().saturating_sub(1));
+        let reused = reused
+            .min(M::committed(&cache))
+            .min(prompt.len().saturating_sub(1));
         model.truncate(&mut cache, reused);
         let features = params.return_features.then(|| PendingFeatures {
             first: reused,
