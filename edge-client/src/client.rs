@@ -66,10 +66,14 @@ pub struct Generation {
 const MAX_RECOVERIES: usize = 8;
 /// Verifiers tried for one session's opening when they answer busy or draining.
 const MAX_PLACEMENTS: usize = 6;
-/// How long a verifier that did not answer is left out of placement.
-const DEAD_FOR: Duration = Duration::from_secs(15);
-/// How long a draining verifier is left out of placement (about a restart).
-const DRAINING_FOR: Duration = Duration::from_secs(60);
+/// How long a verifier that did not answer is left out of placement. Short: a dead candidate
+/// drawn beside a live one costs no wait (see `less_loaded_of`), and a verifier
+/// restarted in its place should get sessions again soon.
+const DEAD_FOR: Duration = Duration::from_secs(5);
+/// How long a draining verifier is left out of placement: a draining one says so in its hello
+/// anyway, and its replacement (a restart takes seconds) should not stand idle while the rest
+/// of the fleet carries its sessions.
+const DRAINING_FOR: Duration = Duration::from_secs(3);
 /// How long a client tries to resume a session on the verifier that lost it before it re-opens
 /// the session elsewhere: a quarter of the idle timeout, within these bounds. The verifier has
 /// already been silent for a whole idle timeout, so a resume that takes longer than a few round
