@@ -801,13 +801,9 @@ impl<M: TreeModel> Engine<M> {
 
     /// Ends a session its client closed, keeping its K/V as a prefix for later sessions.
     fn close(&mut self, id: SessionId) {
-        let Some(e) = self.sessions.remove(&id) else {
+        let Some(e) = self.take(id, "closed") else {
             return;
         };
-        self.metrics
-            .sessions_active
-            .store(self.sessions.len() as u64, Ordering::Relaxed);
-        tracing::debug!(id, "session closed");
         if e.opening.is_none() && !self.draining {
             let bytes = e.session.kv_bytes();
             let (tokens, cache) = e.session.into_prefix();
@@ -824,12 +820,17 @@ impl<M: TreeModel> Engine<M> {
     }
 
     fn remove(&mut self, id: SessionId, why: &str) {
-        if self.sessions.remove(&id).is_some() {
-            tracing::debug!(id, why, "session removed");
-            self.metrics
-                .sessions_active
-                .store(self.sessions.len() as u64, Ordering::Relaxed);
-        }
+        self.take(id, why);
+    }
+
+    /// Takes a session out of the table (and the active-sessions gauge).
+    fn take(&mut self, id: SessionId, why: &str) -> Option<Entry<M>> {
+        let e = self.sessions.remove(&id)?;
+        tracing::debug!(id, why, "session removed");
+        self.metrics
+            .sessions_active
+            .store(self.sessions.len() as u64, Ordering::Relaxed);
+        Some(e)
     }
 
     /// One continuous-batching iteration: verification rounds first (FIFO, one per session,

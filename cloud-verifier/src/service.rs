@@ -276,21 +276,6 @@ impl VerifierControl {
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.ctx.metrics
     }
-
-    /// The load a hello reports.
-    fn load(&self) -> ServerLoad {
-        let m = &self.ctx.metrics;
-        let cfg = &self.ctx.cfg.engine;
-        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        ServerLoad {
-            sessions: get(&m.sessions_active).min(u32::MAX as u64) as u32,
-            max_sessions: cfg.max_sessions.min(u32::MAX as usize) as u32,
-            queued_rounds: get(&m.queued_rounds).min(u32::MAX as u64) as u32,
-            kv_free_bytes: (cfg.kv_budget_bytes as u64).saturating_sub(get(&m.kv_bytes)),
-            batch_nodes: get(&m.last_batch_nodes).min(u32::MAX as u64) as u32,
-            draining: self.draining(),
-        }
-    }
 }
 
 /// A verifier serving on a QUIC endpoint (and, optionally, a WebTransport one).
@@ -539,6 +524,21 @@ fn engine_error(e: EngineError, session: u64) -> Message {
 }
 
 impl Ctx {
+    /// The load a hello reports.
+    fn load(&self) -> ServerLoad {
+        let m = &self.metrics;
+        let cfg = &self.cfg.engine;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        ServerLoad {
+            sessions: get(&m.sessions_active).min(u32::MAX as u64) as u32,
+            max_sessions: cfg.max_sessions.min(u32::MAX as usize) as u32,
+            queued_rounds: get(&m.queued_rounds).min(u32::MAX as u64) as u32,
+            kv_free_bytes: (cfg.kv_budget_bytes as u64).saturating_sub(get(&m.kv_bytes)),
+            batch_nodes: get(&m.last_batch_nodes).min(u32::MAX as u64) as u32,
+            draining: get(&m.draining) != 0,
+        }
+    }
+
     async fn send<W: AsyncWrite + Unpin>(
         &self,
         send: &mut W,
@@ -682,7 +682,7 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         model_name: ctx.cfg.model_name.clone(),
         model: ctx.cfg.fingerprint.clone(),
         limits: ctx.cfg.engine.limits,
-        load: VerifierControl { ctx: ctx.clone() }.load(),
+        load: ctx.load(),
     });
     ctx.send(&mut send, &hello).await?;
     loop {

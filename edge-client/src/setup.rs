@@ -488,7 +488,9 @@ fn verifier(
                 .map_err(|e| SetupError::Invalid(format!("--server: {e}")))?;
             // Resolved now for a clear error before anything else; the client resolves the
             // names again at each placement, following the fleet as it changes.
-            let addr = first_address(server)?;
+            let addr = verifiers
+                .resolve_blocking()
+                .map_err(|e| SetupError::Invalid(format!("--server: {e}")))?[0];
             let cfg = RemoteConfig {
                 addr,
                 server_name: server_name.clone(),
@@ -518,27 +520,6 @@ fn verifier(
             ))
         }
     }
-}
-
-/// The first address any entry of a `--server` list resolves to (without a runtime: setup
-/// runs before the client's).
-fn first_address(server: &str) -> Result<std::net::SocketAddr> {
-    use std::net::ToSocketAddrs;
-    let mut first_error = None;
-    for entry in server.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-        match entry.to_socket_addrs().map(|mut a| a.next()) {
-            Ok(Some(addr)) => return Ok(addr),
-            Ok(None) => {
-                first_error.get_or_insert(format!("{entry} resolves to no address"));
-            }
-            Err(e) => {
-                first_error.get_or_insert(format!("resolving {entry}: {e}"));
-            }
-        }
-    }
-    Err(SetupError::Invalid(
-        first_error.unwrap_or_else(|| "no verifier address given".into()),
-    ))
 }
 
 /// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by

@@ -58,30 +58,54 @@ impl VerifierAddrs {
     /// that does not resolve is skipped when others do (a name of a fleet scaled to zero, a
     /// typo among good addresses); the error is returned when none resolves.
     pub async fn resolve(&self) -> Result<Vec<SocketAddr>, AddrsError> {
-        let mut out = Vec::new();
-        let mut first_error = None;
+        let mut lookups = Vec::with_capacity(self.entries.len());
         for e in &self.entries {
-            match tokio::net::lookup_host(e.as_str()).await {
-                Ok(addrs) => {
-                    let before = out.len();
-                    for a in addrs {
-                        if !out.contains(&a) {
-                            out.push(a);
-                        }
-                    }
-                    if out.len() == before && first_error.is_none() {
-                        first_error = Some(AddrsError::NoAddress(e.clone()));
+            let found = tokio::net::lookup_host(e.as_str()).await;
+            lookups.push((e, found.map(|a| a.collect())));
+        }
+        gather(lookups)
+    }
+
+    /// [`VerifierAddrs::resolve`] outside an async runtime (a front end's setup, which reports
+    /// a bad name before anything else).
+    pub fn resolve_blocking(&self) -> Result<Vec<SocketAddr>, AddrsError> {
+        use std::net::ToSocketAddrs;
+        gather(
+            self.entries
+                .iter()
+                .map(|e| (e, e.to_socket_addrs().map(|a| a.collect()))),
+        )
+    }
+}
+
+/// Every address of every entry's lookup, without repeats, in order; the first failure when
+/// none gave an address.
+fn gather<'e>(
+    lookups: impl IntoIterator<Item = (&'e String, std::io::Result<Vec<SocketAddr>>)>,
+) -> Result<Vec<SocketAddr>, AddrsError> {
+    let mut out = Vec::new();
+    let mut first_error = None;
+    for (entry, found) in lookups {
+        match found {
+            Ok(addrs) => {
+                let before = out.len();
+                for a in addrs {
+                    if !out.contains(&a) {
+                        out.push(a);
                     }
                 }
-                Err(err) => {
-                    first_error.get_or_insert(AddrsError::Resolve(e.clone(), err.to_string()));
+                if out.len() == before {
+                    first_error.get_or_insert(AddrsError::NoAddress(entry.clone()));
                 }
             }
+            Err(err) => {
+                first_error.get_or_insert(AddrsError::Resolve(entry.clone(), err.to_string()));
+            }
         }
-        match (out.is_empty(), first_error) {
-            (true, Some(e)) => Err(e),
-            _ => Ok(out),
-        }
+    }
+    match (out.is_empty(), first_error) {
+        (true, Some(e)) => Err(e),
+        _ => Ok(out),
     }
 }
 
@@ -105,6 +129,7 @@ mod tests {
                 "127.0.0.2:4433".parse().unwrap()
             ]
         );
+        assert_eq!(a.resolve_blocking().unwrap(), a.resolve().await.unwrap());
         let v6 = VerifierAddrs::parse("[::1]:9")
             .unwrap()
             .resolve()

@@ -20,8 +20,8 @@ pub async fn until_stopped(control: &VerifierControl, deadline: Duration) -> Res
     tokio::select! {
         _ = tokio::signal::ctrl_c() => return Ok(()),
         _ = term.recv() => control.drain(),
-        _ = drained(control) => {}
-        _ = engine_stopped(control) => {
+        _ = until(|| control.draining()) => {}
+        _ = until(|| control.engine_stopped()) => {
             bail!("the engine thread stopped (see the log above); exiting so that the verifier is restarted")
         }
     }
@@ -31,13 +31,8 @@ pub async fn until_stopped(control: &VerifierControl, deadline: Duration) -> Res
         deadline_s = deadline.as_secs(),
         "draining: moving live sessions to other verifiers"
     );
-    let left = async {
-        while control.sessions() > 0 {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
     tokio::select! {
-        _ = left => tracing::info!(
+        _ = until(|| control.sessions() == 0) => tracing::info!(
             seconds = started.elapsed().as_secs_f64(),
             "drained: no session left"
         ),
@@ -51,15 +46,10 @@ pub async fn until_stopped(control: &VerifierControl, deadline: Duration) -> Res
     Ok(())
 }
 
-async fn engine_stopped(control: &VerifierControl) {
-    while !control.engine_stopped() {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Resolves once a drain has started (through the admin endpoint).
-async fn drained(control: &VerifierControl) {
-    while !control.draining() {
+/// Resolves once `condition` holds (checked every 100 ms): the verifier's state is in atomics
+/// that other tasks and the engine thread change.
+async fn until(condition: impl Fn() -> bool) {
+    while !condition() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
