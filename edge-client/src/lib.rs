@@ -15,3 +15,16 @@ pub use setup::{
     ClientOptions, ClientSetup, Decoding, DraftBackend, DraftSource, SetupError, SetupEvent,
     VerifierChoice,
 };
+
+/// Logs of the edge's front ends (the CLI, the desktop app) on stderr: warnings and errors
+/// unless `SPECINFER_LOG` says otherwise (an `EnvFilter`, such as `info` or
+/// `specinfer_edge=debug`).
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SPECINFER_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}

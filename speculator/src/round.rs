@@ -17,6 +17,7 @@
 //! }
 //! ```
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use specinfer_model::{ModelError, Tokenizer};
@@ -122,6 +123,8 @@ pub struct RoundDriver<'a> {
     finish: Option<FinishReason>,
     text: Option<TextStream>,
     stats: GenerationStats,
+    /// Set by someone else (a Stop button) to end the generation after the round in flight.
+    stop: Option<Arc<AtomicBool>>,
 }
 
 impl<'a> RoundDriver<'a> {
@@ -148,6 +151,7 @@ impl<'a> RoundDriver<'a> {
             finish: None,
             text: None,
             stats: GenerationStats::default(),
+            stop: None,
         })
     }
 
@@ -205,8 +209,23 @@ impl<'a> RoundDriver<'a> {
         (self.committed.clone(), params)
     }
 
+    /// The generation ends, without a [`FinishReason`], once `stop` is set: the round in flight
+    /// (if any) is still taken, so what is committed stays what the verifier committed.
+    pub fn with_stop(mut self, stop: Arc<AtomicBool>) -> Self {
+        self.stop = Some(stop);
+        self
+    }
+
+    /// Whether the generation has ended: the verifier finished it, or it was stopped.
     pub fn is_finished(&self) -> bool {
-        self.finish.is_some()
+        self.finish.is_some() || self.is_stopped()
+    }
+
+    /// Whether it was stopped (see [`RoundDriver::with_stop`]).
+    pub fn is_stopped(&self) -> bool {
+        self.stop
+            .as_ref()
+            .is_some_and(|s| s.load(Ordering::Relaxed))
     }
 
     pub fn finish(&self) -> Option<FinishReason> {

