@@ -8,8 +8,9 @@
 //! | `GET /readyz` | 200 while healthy and not draining, else 503 (send no new sessions) |
 //! | `POST /drain` | 202, starts draining (idempotent); the body says how many sessions are left |
 //!
-//! Served with axum (on hyper) rather than by hand: request parsing, keep-alive and
-//! malformed-request handling are a well-kept library's job. The endpoint has no
+//! Served with axum (on hyper, through `specinfer_net::http::serve`: bounded connections,
+//! header timeouts) rather than by hand: request parsing, keep-alive and malformed-request
+//! handling are a well-kept library's job. The endpoint has no
 //! authentication: bind it to loopback or a cluster-internal address, never the public one.
 
 use std::time::Duration;
@@ -35,7 +36,7 @@ pub fn router(control: VerifierControl) -> Router {
         .with_state(control)
 }
 
-/// Serves [`router`] on `listener` until the process ends.
+/// Serves [`router`] on `listener`; returns only when the process ends.
 pub async fn serve(listener: tokio::net::TcpListener, control: VerifierControl) {
     let app = router(control).layer(axum::middleware::from_fn(
         |req: axum::extract::Request, next: axum::middleware::Next| async move {
@@ -45,9 +46,7 @@ pub async fn serve(listener: tokio::net::TcpListener, control: VerifierControl) 
             }
         },
     ));
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::error!("admin endpoint stopped: {e}");
-    }
+    specinfer_net::http::serve(listener, app).await
 }
 
 async fn metrics(State(c): State<VerifierControl>) -> impl IntoResponse {

@@ -279,6 +279,26 @@ impl VerifierControl {
 }
 
 /// A verifier serving on a QUIC endpoint (and, optionally, a WebTransport one).
+/// The WebTransport endpoint's certificate, renewable while it runs: a certificate a browser
+/// trusts by its hash lives at most 14 days, and the verifier runs longer.
+#[derive(Clone)]
+pub struct WebTransportIdentity {
+    endpoint: quinn::Endpoint,
+}
+
+impl WebTransportIdentity {
+    /// Handshakes from now on present `identity`; sessions already open keep going.
+    pub fn renew(&self, identity: &ServerIdentity) -> Result<(), NetError> {
+        self.endpoint
+            .set_server_config(Some(webtransport_config(identity)?));
+        Ok(())
+    }
+}
+
+fn webtransport_config(identity: &ServerIdentity) -> Result<quinn::ServerConfig, NetError> {
+    identity.quinn_config_with_alpn(web_transport_quinn::ALPN.as_bytes())
+}
+
 pub struct RunningVerifier {
     endpoint: quinn::Endpoint,
     ctx: Arc<Ctx>,
@@ -416,8 +436,7 @@ impl RunningVerifier {
         identity: &ServerIdentity,
         listen: SocketAddr,
     ) -> Result<SocketAddr, NetError> {
-        let cfg = identity.quinn_config_with_alpn(web_transport_quinn::ALPN.as_bytes())?;
-        let endpoint = quinn::Endpoint::server(cfg, listen)?;
+        let endpoint = quinn::Endpoint::server(webtransport_config(identity)?, listen)?;
         let addr = endpoint.local_addr()?;
         let ctx = self.ctx.clone();
         let accept_endpoint = endpoint.clone();
@@ -459,6 +478,14 @@ impl RunningVerifier {
         tracing::info!(%addr, certificate_sha256 = identity.fingerprint(), "WebTransport listening");
         self.web = Some((endpoint, task));
         Ok(addr)
+    }
+
+    /// A handle that renews the browsers' certificate of the WebTransport endpoint, if one is
+    /// served.
+    pub fn webtransport_identity(&self) -> Option<WebTransportIdentity> {
+        self.web.as_ref().map(|(endpoint, _)| WebTransportIdentity {
+            endpoint: endpoint.clone(),
+        })
     }
 
     /// Stops accepting connections, lets queued rounds finish, then closes every connection.

@@ -1,38 +1,54 @@
 //! The browser demo's web server: the page, the `<specinfer-chat>` widget, its WebAssembly, the
 //! SSM and tokenizer files, and `/config.json` telling the page where the WebTransport endpoint
-//! is and which certificate hash to trust. Plain HTTP/1.1 GET on loopback-style deployments
-//! (`http://127.0.0.1` and `http://localhost` are secure contexts, so WebTransport works there).
+//! is and which certificate hash to trust. HTTP/1.1 GET on loopback-style deployments
+//! (`http://127.0.0.1` and `http://localhost` are secure contexts, so WebTransport works there),
+//! served by `specinfer_net::http::serve` (axum on hyper, bounded connections and timeouts).
 //!
-//! Only the files registered here are served; nothing maps a URL to the file system.
-//!
-//! `POST /report` (a page reporting a finished answer, used by the end-to-end test) is answered
-//! and handed to whoever holds the receiving end; `GET /hold` stays open until the next report,
-//! which keeps a headless browser's virtual clock from running out while the answer is generated.
+//! Only the files registered here are served; nothing maps a URL to the file system. A Host that
+//! is neither an IP address, `localhost` nor an allowed name is refused: `/config.json` may carry
+//! an API key, which a page of another site must not read by rebinding its name to this address.
+//! There are no test hooks here: the end-to-end test adds its own routes to [`router`].
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
 use specinfer_model::Tokenizer;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, watch};
+/// How long a request may take to be answered.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The files the demo serves, by URL path.
+/// The files the demo serves, by URL path; shared by the server and whoever replaces one
+/// (`/config.json` when the certificate is renewed).
 #[derive(Clone, Default)]
 pub struct WebFiles {
-    files: HashMap<String, (&'static str, Arc<Vec<u8>>)>,
+    files: Arc<RwLock<HashMap<String, (&'static str, Bytes)>>>,
 }
 
 impl WebFiles {
-    pub fn add(&mut self, path: &str, content_type: &'static str, body: Vec<u8>) {
+    /// Adds (or replaces) the file at `path`.
+    pub fn add(&self, path: &str, content_type: &'static str, body: Vec<u8>) {
         self.files
-            .insert(path.to_owned(), (content_type, Arc::new(body)));
+            .write()
+            .expect("never poisoned: no code panics holding it")
+            .insert(path.to_owned(), (content_type, Bytes::from(body)));
+    }
+
+    /// The file at `path`, and its content type.
+    pub fn get(&self, path: &str) -> Option<(&'static str, Bytes)> {
+        let files = self.files.read().expect("never poisoned");
+        files.get(path).cloned()
     }
 
     /// Adds a file read from disk, with the content type its extension implies.
-    pub fn add_file(&mut self, path: &str, file: &std::path::Path) -> std::io::Result<()> {
+    pub fn add_file(&self, path: &str, file: &std::path::Path) -> std::io::Result<()> {
         let ty = match file.extension().and_then(|e| e.to_str()) {
             Some("html") => "text/html; charset=utf-8",
             Some("js") => "text/javascript; charset=utf-8",
@@ -47,6 +63,7 @@ impl WebFiles {
 }
 
 /// Where the page finds the verifier.
+#[derive(Clone, Debug)]
 pub struct DemoEndpoint {
     /// UDP port of the WebTransport endpoint, on the host the page came from.
     pub webtransport_port: u16,
@@ -65,7 +82,7 @@ pub fn demo_files(
     tokenizer: &Tokenizer,
     endpoint: &DemoEndpoint,
 ) -> Result<WebFiles, String> {
-    let mut files = WebFiles::default();
+    let files = WebFiles::default();
     let pkg = web_dir.join("pkg");
     for (url, file) in [
         ("/index.html", web_dir.join("index.html")),
@@ -87,7 +104,6 @@ pub fn demo_files(
             format!("{}: {e}{hint}", file.display())
         })?;
     }
-    let json = |v: serde_json::Value| v.to_string().into_bytes();
     files.add(
         "/tokenizer.json",
         "application/json",
@@ -96,125 +112,131 @@ pub fn demo_files(
     files.add(
         "/chat.json",
         "application/json",
-        json(serde_json::json!({
+        serde_json::json!({
             "bos": tokenizer.bos(),
             "eos": tokenizer.eos(),
             "system": tokenizer.default_system(),
-        })),
+        })
+        .to_string()
+        .into_bytes(),
     );
-    files.add(
-        "/config.json",
-        "application/json",
-        json(serde_json::json!({
-            "webtransport_port": endpoint.webtransport_port,
-            "certificate_sha256": endpoint.certificate_sha256,
-            "api_key": endpoint.api_key,
-        })),
-    );
+    set_endpoint(&files, endpoint);
     Ok(files)
 }
 
-/// Largest request (headers and body) the server reads.
-const MAX_REQUEST: usize = 64 << 10;
+/// Points the page at `endpoint`: `/config.json` (again, when the certificate is renewed; pages
+/// loaded from then on trust the new one).
+pub fn set_endpoint(files: &WebFiles, endpoint: &DemoEndpoint) {
+    let config = serde_json::json!({
+        "webtransport_port": endpoint.webtransport_port,
+        "certificate_sha256": endpoint.certificate_sha256,
+        "api_key": endpoint.api_key,
+    });
+    files.add(
+        "/config.json",
+        "application/json",
+        config.to_string().into_bytes(),
+    );
+}
 
-/// Serves `files` on `listener`; reports POSTed to `/report` go to `reports`.
-pub async fn serve_web(
-    listener: tokio::net::TcpListener,
+/// How often the browsers' certificate is replaced: well within the 13 days it lives, so that a
+/// page loaded just before a renewal still connects for days.
+pub const CERTIFICATE_RENEWAL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Replaces the WebTransport certificate every `every` and points `/config.json` at the new one
+/// (the port and API key in `endpoint` stay); runs until the process ends.
+pub async fn renew_certificates(
+    webtransport: crate::service::WebTransportIdentity,
     files: WebFiles,
-    reports: mpsc::UnboundedSender<String>,
+    mut endpoint: DemoEndpoint,
+    names: Vec<String>,
+    every: Duration,
 ) {
-    let files = Arc::new(files);
-    // Counts reports; a hold waits for the count to change.
-    let (reported_tx, reported_rx) = watch::channel(0u64);
-    let reported_tx = Arc::new(reported_tx);
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let mut wait = every;
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
-        };
-        let (files, reports) = (files.clone(), reports.clone());
-        let (reported_tx, mut reported_rx) = (reported_tx.clone(), reported_rx.clone());
-        tokio::spawn(async move {
-            let Some((head, body)) = read_request(&mut sock).await else {
-                return;
-            };
-            let line = head.lines().next().unwrap_or("");
-            let mut parts = line.split(' ');
-            let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-            let path = target.split('?').next().unwrap_or("");
-            let (status, ty, content): (&str, &str, Arc<Vec<u8>>) = match (method, path) {
-                ("POST", "/report") => {
-                    let _ = reports.send(String::from_utf8_lossy(&body).into_owned());
-                    reported_tx.send_modify(|n| *n += 1);
-                    ("200 OK", "text/plain", Arc::new(b"ok\n".to_vec()))
-                }
-                ("GET", "/hold") => {
-                    reported_rx.borrow_and_update();
-                    let _ =
-                        tokio::time::timeout(Duration::from_secs(600), reported_rx.changed()).await;
-                    ("200 OK", "text/plain", Arc::new(b"done\n".to_vec()))
-                }
-                ("GET", p) => match files.files.get(if p == "/" { "/index.html" } else { p }) {
-                    Some((ty, body)) => ("200 OK", *ty, body.clone()),
-                    None => (
-                        "404 Not Found",
-                        "text/plain",
-                        Arc::new(b"not found\n".to_vec()),
-                    ),
-                },
-                _ => (
-                    "405 Method Not Allowed",
-                    "text/plain",
-                    Arc::new(b"GET only\n".to_vec()),
-                ),
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: {ty}\r\ncontent-length: {}\r\ncache-control: no-store\r\nconnection: close\r\n\r\n",
-                content.len()
-            );
-            let _ = sock.write_all(head.as_bytes()).await;
-            let _ = sock.write_all(&content).await;
-        });
+        tokio::time::sleep(wait).await;
+        let renewed =
+            specinfer_net::ServerIdentity::self_signed_for_browsers(&names).and_then(|identity| {
+                webtransport.renew(&identity)?;
+                Ok(identity.fingerprint())
+            });
+        match renewed {
+            Ok(fingerprint) => {
+                tracing::info!(certificate_sha256 = %fingerprint, "browser certificate renewed");
+                endpoint.certificate_sha256 = fingerprint;
+                set_endpoint(&files, &endpoint);
+                wait = every;
+            }
+            // The old certificate still has days to live: try again in an hour.
+            Err(e) => {
+                tracing::error!("renewing the browser certificate: {e}");
+                wait = Duration::from_secs(3600).min(every);
+            }
+        }
     }
 }
 
-/// Reads a request's head and (for a POST) its body, within [`MAX_REQUEST`] and 10 seconds.
-async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
-    let mut buf = Vec::new();
-    let read = async {
-        let mut chunk = [0u8; 4096];
-        loop {
-            let n = sock.read(&mut chunk).await.ok()?;
-            if n == 0 {
-                return None;
-            }
-            buf.extend_from_slice(&chunk[..n]);
-            if buf.len() > MAX_REQUEST {
-                return None;
-            }
-            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-                let length: usize = head
-                    .lines()
-                    .filter_map(|l| l.split_once(':'))
-                    .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-                    .and_then(|(_, v)| v.trim().parse().ok())
-                    .unwrap_or(0);
-                if length > MAX_REQUEST {
-                    return None;
-                }
-                while buf.len() < end + 4 + length {
-                    let n = sock.read(&mut chunk).await.ok()?;
-                    if n == 0 {
-                        return None;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
-                return Some((head, buf[end + 4..end + 4 + length].to_vec()));
-            }
-        }
+/// The demo's routes: `files` by GET, behind the Host check (`allowed_hosts`: names served
+/// besides IP addresses and `localhost`).
+pub fn router(files: WebFiles, allowed_hosts: Vec<String>) -> Router {
+    Router::new().fallback(serve_file).with_state(files).layer(
+        axum::middleware::from_fn_with_state(Arc::new(allowed_hosts), check_host),
+    )
+}
+
+/// Serves [`router`]`(files, allowed_hosts)` on `listener`; returns only when the process ends.
+pub async fn serve_web(
+    listener: tokio::net::TcpListener,
+    files: WebFiles,
+    allowed_hosts: Vec<String>,
+) {
+    specinfer_net::http::serve(listener, router(files, allowed_hosts)).await
+}
+
+async fn check_host(
+    State(allowed): State<Arc<Vec<String>>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    if !specinfer_net::host_allowed(host, &allowed) {
+        let message = format!(
+            "Host {host:?} is not served here (start the verifier with --web-allowed-host to serve it)\n"
+        );
+        return (StatusCode::FORBIDDEN, message).into_response();
+    }
+    match tokio::time::timeout(REQUEST_TIMEOUT, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => StatusCode::REQUEST_TIMEOUT.into_response(),
+    }
+}
+
+async fn serve_file(
+    State(files): State<WebFiles>,
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    if method != axum::http::Method::GET {
+        return (StatusCode::METHOD_NOT_ALLOWED, "GET only\n").into_response();
+    }
+    let path = match uri.path() {
+        "/" => "/index.html",
+        p => p,
     };
-    tokio::time::timeout(Duration::from_secs(10), read)
-        .await
-        .ok()
-        .flatten()
+    match files.get(path) {
+        Some((content_type, body)) => (
+            [
+                (header::CONTENT_TYPE, content_type),
+                (header::CACHE_CONTROL, "no-store"),
+            ],
+            body,
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "not found\n").into_response(),
+    }
 }

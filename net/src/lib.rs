@@ -7,12 +7,14 @@
 pub mod addrs;
 pub mod client;
 pub mod frames;
+pub mod http;
 pub mod relay;
 pub mod tls;
 
 pub use addrs::{AddrsError, VerifierAddrs};
 pub use client::{Remote, RemoteConfig, RemoteError, RemoteSession};
 pub use frames::{read_frame, read_frame_within, write_frame, FRAME_DEADLINE};
+pub use http::host_allowed;
 pub use relay::{probe_round_trips, RelayConfig, UdpRelay};
 pub use tls::{cert_fingerprint, client_config, ServerIdentity, Trust};
 

@@ -17,7 +17,7 @@ use specinfer_model::Llama;
 use specinfer_net::ServerIdentity;
 use specinfer_speculator::{CachedDraft, DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_verifier::web::{demo_files, serve_web, DemoEndpoint};
+use specinfer_verifier::web::{self, demo_files, DemoEndpoint};
 use specinfer_wire::SamplingParams;
 
 const PROMPT: &str = "Name two oceans.";
@@ -93,7 +93,8 @@ async fn the_browser_widget_answers_like_the_native_client() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let web = listener.local_addr().unwrap();
     let (reports, mut reported) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(serve_web(listener, files, reports));
+    let app = web::router(files, Vec::new()).merge(page_hooks(reports));
+    tokio::spawn(specinfer_net::http::serve(listener, app));
 
     let url = format!(
         "http://{web}/?prompt={}&max_tokens={MAX_TOKENS}&temperature=0",
@@ -137,6 +138,38 @@ async fn the_browser_widget_answers_like_the_native_client() {
     );
     eprintln!("screenshot of the widget: {}", shot.display());
     server.shutdown().await;
+}
+
+/// The test's own routes beside the demo's (the verifier serves none of them): the page POSTs
+/// its finished answer to `/report`, which goes to `reports`; `GET /hold` stays open until the
+/// next report, which keeps a headless browser's virtual clock still while the answer is
+/// generated.
+fn page_hooks(reports: tokio::sync::mpsc::UnboundedSender<String>) -> axum::Router {
+    let (reported, hold) = tokio::sync::watch::channel(0u64);
+    let reported = std::sync::Arc::new(reported);
+    axum::Router::new()
+        .route(
+            "/report",
+            axum::routing::post(move |body: String| {
+                let (reports, reported) = (reports.clone(), reported.clone());
+                async move {
+                    let _ = reports.send(body);
+                    reported.send_modify(|n| *n += 1);
+                    "ok\n"
+                }
+            }),
+        )
+        .route(
+            "/hold",
+            axum::routing::get(move || {
+                let mut hold = hold.clone();
+                async move {
+                    hold.borrow_and_update();
+                    let _ = tokio::time::timeout(Duration::from_secs(600), hold.changed()).await;
+                    "done\n"
+                }
+            }),
+        )
 }
 
 fn report_ids(report: &serde_json::Value) -> Vec<u32> {

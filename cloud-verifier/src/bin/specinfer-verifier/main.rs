@@ -155,7 +155,8 @@ struct ServeArgs {
     grace_s: u64,
     /// Serve the browser demo (a page with the <specinfer-chat> widget) over HTTP on this
     /// address, and WebTransport for it on --webtransport with a fresh 13-day certificate the
-    /// page trusts by hash. Open http://127.0.0.1:PORT/ (a secure context) in Chromium.
+    /// page trusts by hash (replaced every 7 days: pages loaded after that trust the new one).
+    /// Open http://127.0.0.1:PORT/ (a secure context) in Chromium.
     #[arg(long)]
     web: Option<SocketAddr>,
     /// UDP address of the WebTransport endpoint (with --web).
@@ -171,6 +172,11 @@ struct ServeArgs {
     /// --insecure-no-auth. Anyone who loads the page sees it.
     #[arg(long)]
     web_api_key: Option<String>,
+    /// A host name the demo answers to besides IP addresses and localhost (repeat for
+    /// several); other names are refused, so that no page can read --web-api-key by rebinding
+    /// its own name to this address.
+    #[arg(long = "web-allowed-host")]
+    web_allowed_hosts: Vec<String>,
 }
 
 /// Where the LLM runs.
@@ -380,31 +386,35 @@ fn serve(args: ServeArgs) -> Result<()> {
             tokio::spawn(admin::serve(listener, server.control()));
         }
         if let Some(addr) = args.web {
-            let browser_identity =
-                ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"])?;
+            const NAMES: [&str; 2] = ["localhost", "127.0.0.1"];
+            let browser_identity = ServerIdentity::self_signed_for_browsers(&NAMES)?;
             let wt = server.serve_webtransport(&browser_identity, args.webtransport)?;
-            let files = web::demo_files(
-                &args.web_dir,
-                &args.web_ssm,
-                &tokenizer,
-                &web::DemoEndpoint {
-                    webtransport_port: wt.port(),
-                    certificate_sha256: browser_identity.fingerprint(),
-                    api_key: args.web_api_key.clone(),
-                },
-            )
-            .map_err(anyhow::Error::msg)?;
+            let endpoint = web::DemoEndpoint {
+                webtransport_port: wt.port(),
+                certificate_sha256: browser_identity.fingerprint(),
+                api_key: args.web_api_key.clone(),
+            };
+            let files = web::demo_files(&args.web_dir, &args.web_ssm, &tokenizer, &endpoint)
+                .map_err(anyhow::Error::msg)?;
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the web demo on {addr}"))?;
             println!("browser demo on http://{addr}/ (WebTransport on UDP {wt})");
-            let (reports, mut reported) = tokio::sync::mpsc::unbounded_channel();
-            tokio::spawn(web::serve_web(listener, files, reports));
-            tokio::spawn(async move {
-                while let Some(r) = reported.recv().await {
-                    tracing::info!(report = %r, "page reported an answer");
-                }
-            });
+            let renewer = server
+                .webtransport_identity()
+                .expect("WebTransport was just started");
+            tokio::spawn(web::renew_certificates(
+                renewer,
+                files.clone(),
+                endpoint,
+                NAMES.map(String::from).to_vec(),
+                web::CERTIFICATE_RENEWAL,
+            ));
+            tokio::spawn(web::serve_web(
+                listener,
+                files,
+                args.web_allowed_hosts.clone(),
+            ));
         }
         // Last: scripts and tests wait for this line.
         println!("listening on {} (QUIC)", server.local_addr());

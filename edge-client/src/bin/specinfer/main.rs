@@ -248,7 +248,8 @@ fn main() -> Result<()> {
                     "specinfer: OpenAI-compatible API on http://{listen}/v1 (model {model_name:?}, {}-token context)",
                     generator.context_tokens
                 );
-                openai::serve(listener, generator, model_name, access).await
+                openai::serve(listener, generator, model_name, access).await;
+                anyhow::Ok(())
             })?;
         }
     }

@@ -12,17 +12,15 @@
 //! - a POST whose body is not `application/json` (the "simple" requests a page may send
 //!   anywhere without a preflight are form or text bodies).
 //!
-//! Headers must arrive within [`HEADER_TIMEOUT`], a body within [`BODY_TIMEOUT`]; at most
-//! [`MAX_CONNECTIONS`] connections are served at once. Generations run one after another on
+//! Connections are served by `specinfer_net::http::serve` (bounded in number, headers within
+//! 10 s); a body must arrive within [`BODY_TIMEOUT`]. Generations run one after another on
 //! the [`Generator`]'s thread; a client that disconnects stops its generation (streamed or not)
 //! after the round in flight, or before it starts if it was still queued.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -32,6 +30,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use specinfer_model::ChatMessage;
+use specinfer_net::host_allowed;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -39,12 +38,8 @@ use crate::generator::{invalid_request, Busy, Generator, Job, Reply};
 
 /// Largest request body.
 const MAX_BODY: usize = 1 << 20;
-/// A request's headers must arrive within this (slow-loris connections are closed).
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// A request's body must arrive within this.
 const BODY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Connections served at once; more wait in the kernel's backlog.
-const MAX_CONNECTIONS: usize = 256;
 
 /// Who may call the endpoint, beyond local apps.
 #[derive(Clone, Debug, Default)]
@@ -61,13 +56,8 @@ struct Endpoint {
     next_id: std::sync::atomic::AtomicU64,
 }
 
-/// Serves the endpoint on `listener` until the process ends.
-pub async fn serve(
-    listener: TcpListener,
-    generator: Generator,
-    model: String,
-    access: Access,
-) -> Result<()> {
+/// Serves the endpoint on `listener`; returns only when the process ends.
+pub async fn serve(listener: TcpListener, generator: Generator, model: String, access: Access) {
     let endpoint = Arc::new(Endpoint {
         generator,
         model,
@@ -77,40 +67,7 @@ pub async fn serve(
         Arc::new(access),
         check_caller,
     ));
-    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    loop {
-        let permit = connections
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("never closed");
-        let (socket, peer) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                // Out of descriptors, or a connection reset before it was accepted: the next
-                // one may work; wait a little so that a persistent error does not spin.
-                tracing::warn!("accepting a connection: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let app = app.clone();
-        tokio::spawn(async move {
-            serve_connection(socket, peer, app).await;
-            drop(permit);
-        });
-    }
-}
-
-async fn serve_connection(socket: tokio::net::TcpStream, peer: SocketAddr, app: Router) {
-    let service = hyper_util::service::TowerToHyperService::new(app);
-    let connection = hyper::server::conn::http1::Builder::new()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(hyper_util::rt::TokioIo::new(socket), service);
-    if let Err(e) = connection.await {
-        tracing::debug!(%peer, "HTTP connection: {e}");
-    }
+    specinfer_net::http::serve(listener, app).await
 }
 
 fn router(endpoint: Arc<Endpoint>) -> Router {
@@ -201,30 +158,6 @@ fn is_json(headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
         .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
-}
-
-/// Whether `host` (a Host header: name or address, maybe with a port) is served: IP addresses
-/// and `localhost` always (no rebinding attack makes a browser send those for a page of its
-/// own), names only when listed.
-fn host_allowed(host: &str, allowed: &[String]) -> bool {
-    let name = match host.strip_prefix('[') {
-        Some(v6) => {
-            return v6
-                .split(']')
-                .next()
-                .is_some_and(|a| a.parse::<std::net::Ipv6Addr>().is_ok())
-        }
-        None => host.rsplit_once(':').map_or(host, |(name, port)| {
-            if port.chars().all(|c| c.is_ascii_digit()) {
-                name
-            } else {
-                host
-            }
-        }),
-    };
-    name.parse::<std::net::Ipv4Addr>().is_ok()
-        || name.eq_ignore_ascii_case("localhost")
-        || allowed.iter().any(|a| a.eq_ignore_ascii_case(name))
 }
 
 fn now() -> u64 {
@@ -476,31 +409,6 @@ fn streamed(shape: Shape, rx: UnboundedReceiver<Reply>, stop: StopOnDrop) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hosts_are_addresses_localhost_or_listed_names() {
-        let listed = vec!["chat.example".to_string()];
-        for ok in [
-            "127.0.0.1:8080",
-            "127.0.0.1",
-            "[::1]:8080",
-            "localhost:8080",
-            "LOCALHOST",
-            "10.0.0.7:80",
-            "chat.example:443",
-        ] {
-            assert!(host_allowed(ok, &listed), "{ok}");
-        }
-        for refused in [
-            "evil.example:8080",
-            "localhost.evil.example",
-            "127.0.0.1.nip.io:8080",
-            "[not-an-address]:80",
-            "",
-        ] {
-            assert!(!host_allowed(refused, &listed), "{refused}");
-        }
-    }
 
     #[test]
     fn json_is_recognised_with_parameters_and_in_any_case() {
