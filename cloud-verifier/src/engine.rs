@@ -351,6 +351,7 @@ pub fn spawn<M: TreeModel + 'static>(
                 metrics,
                 sessions: HashMap::new(),
                 pending: VecDeque::new(),
+                served: HashMap::new(),
                 next_id: 1,
                 server_draft,
                 forward_cost: AffineFit::default(),
@@ -408,6 +409,8 @@ struct Engine<M: TreeModel> {
     metrics: Arc<Metrics>,
     sessions: HashMap<SessionId, Entry<M>>,
     pending: VecDeque<PendingVerify>,
+    /// Tree nodes each key has had verified since the queue was last empty (fair queuing).
+    served: HashMap<KeyId, usize>,
     next_id: SessionId,
     server_draft: Option<ServerDraft>,
     /// Forward seconds against nodes per forward: what one more node costs.
@@ -841,7 +844,8 @@ impl<M: TreeModel> Engine<M> {
         let mut jobs: Vec<(SessionId, Job)> = Vec::new();
         let mut nodes = 0;
         let mut deferred = VecDeque::new();
-        while let Some(p) = self.pending.pop_front() {
+        let mut waiting = std::mem::take(&mut self.pending);
+        while let Some(p) = self.next_fairly(&mut waiting) {
             let fits = jobs.is_empty() || nodes + p.tree.len() <= self.cfg.batch_node_budget;
             // One round per session per forward: a second tree needs the first one's outcome.
             if !fits || jobs.iter().any(|(id, _)| *id == p.id) {
@@ -858,6 +862,9 @@ impl<M: TreeModel> Engine<M> {
                 continue;
             }
             nodes += p.tree.len();
+            if let Some(e) = self.sessions.get(&p.id) {
+                *self.served.entry(e.owner).or_default() += p.tree.len();
+            }
             jobs.push((p.id, Job::Verify(p)));
         }
         // Busy: rounds wait for a place. Trees are capped at an equal share of a forward.
@@ -871,8 +878,12 @@ impl<M: TreeModel> Engine<M> {
                 .collect();
             (self.cfg.batch_node_budget / waiting.len().max(1)).max(1) as u32
         };
-        // Deferred requests keep their place at the front: FIFO, so nobody starves.
+        // Deferred requests keep their order; the next iteration picks among them fairly again.
         self.pending = deferred;
+        if self.pending.is_empty() {
+            // Idle: the next busy period starts even (a key that was busy before has no debt).
+            self.served.clear();
+        }
         let mut opening: Vec<(SessionId, usize)> = self
             .sessions
             .iter()
@@ -1017,6 +1028,21 @@ impl<M: TreeModel> Engine<M> {
                 },
             }
         }
+    }
+
+    /// The next waiting round to place: the oldest of the key least served in this busy period
+    /// (tree nodes verified), so that a key with many sessions gets no more of the forwards
+    /// than a key with one (fair queuing between keys; FIFO within a key).
+    fn next_fairly(&self, waiting: &mut VecDeque<PendingVerify>) -> Option<PendingVerify> {
+        let served = |p: &PendingVerify| {
+            self.sessions
+                .get(&p.id)
+                .and_then(|e| self.served.get(&e.owner))
+                .copied()
+                .unwrap_or(0)
+        };
+        let next = (0..waiting.len()).min_by_key(|&i| (served(&waiting[i]), i))?;
+        waiting.remove(next)
     }
 
     /// After a panic in a batch's forward: its sessions (whose caches may be half-written)

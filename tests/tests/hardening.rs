@@ -91,23 +91,25 @@ fn per_token_kv(cfg: &ModelConfig) -> usize {
     2 * cfg.n_layers * cfg.kv_row() * 4
 }
 
-/// SmolLM2, except that a tree of [`PanicOnTree::NODES`] nodes makes its forward panic: a bug
-/// on the engine thread.
-struct PanicOnTree(Arc<specinfer_model::Llama>);
-
-impl PanicOnTree {
-    const NODES: usize = 7;
+/// The LLM with a hook that sees the tree sizes of every forward on the engine thread, and may
+/// panic there as an engine bug would.
+struct Hooked {
+    llm: Arc<specinfer_model::Llama>,
+    on_forward: ForwardHook,
 }
 
-impl TreeModel for PanicOnTree {
+/// Called with the tree sizes of each forward.
+type ForwardHook = Box<dyn Fn(&[usize]) + Send + Sync>;
+
+impl TreeModel for Hooked {
     type Cache = <specinfer_model::Llama as TreeModel>::Cache;
 
     fn config(&self) -> &ModelConfig {
-        TreeModel::config(&*self.0)
+        TreeModel::config(&*self.llm)
     }
 
     fn new_cache(&self) -> specinfer_model::Result<Self::Cache> {
-        self.0.new_cache()
+        self.llm.new_cache()
     }
 
     fn committed(cache: &Self::Cache) -> usize {
@@ -123,31 +125,37 @@ impl TreeModel for PanicOnTree {
         seqs: &mut [(&mut Self::Cache, &TokenTree)],
         logits: &[bool],
     ) -> specinfer_model::Result<Vec<Logits>> {
-        assert!(
-            seqs.iter().all(|(_, t)| t.len() != Self::NODES),
-            "injected engine bug"
-        );
-        self.0.forward_trees(seqs, logits)
+        let sizes: Vec<usize> = seqs.iter().map(|(_, t)| t.len()).collect();
+        (self.on_forward)(&sizes);
+        self.llm.forward_trees(seqs, logits)
     }
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> specinfer_model::Result<()> {
-        self.0.keep_path(cache, path)
+        self.llm.keep_path(cache, path)
     }
 
     fn truncate(&self, cache: &mut Self::Cache, len: usize) {
-        self.0.truncate(cache, len)
+        self.llm.truncate(cache, len)
     }
 
     fn gives_features(&self) -> bool {
-        self.0.gives_features()
+        self.llm.gives_features()
     }
 }
+
+/// Trees of this size make the hooked model panic.
+const DEADLY_NODES: usize = 7;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_in_a_batch_closes_its_sessions_and_the_engine_goes_on() {
     let (model, _) = smollm2();
+    let deadly_size =
+        Box::new(|sizes: &[usize]| assert!(!sizes.contains(&DEADLY_NODES), "injected engine bug"));
     let (server, remote) = service::start_loopback(
-        Arc::new(PanicOnTree(model.clone())),
+        Arc::new(Hooked {
+            llm: model.clone(),
+            on_forward: deadly_size,
+        }),
         API_KEY.into(),
         service_config(EngineConfig::default()),
     )
@@ -161,7 +169,7 @@ async fn a_panic_in_a_batch_closes_its_sessions_and_the_engine_goes_on() {
     let mut healthy = conn.open(2, prompt.clone(), params.clone()).await.unwrap();
     let before = healthy.verify(TokenTree::root(root)).await.unwrap();
 
-    let deadly = TokenTree::chain(&[root; PanicOnTree::NODES]);
+    let deadly = TokenTree::chain(&[root; DEADLY_NODES]);
     match victim.verify(deadly).await {
         Err(e) => {
             assert_eq!(e.code(), Some(ErrorCode::Internal), "{e}");
@@ -189,4 +197,90 @@ async fn a_panic_in_a_batch_closes_its_sessions_and_the_engine_goes_on() {
     server.shutdown().await;
     // Once the engine thread has ended, the health check and new hellos say so.
     assert!(control.engine_stopped() && !control.healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_many_sessions_gets_no_more_of_the_forwards_than_a_key_with_one() {
+    // One tree per forward (64 nodes hold one tree of 47 or 48, not two), so the order in
+    // which the engine takes waiting rounds is the whole story.
+    const ATTACK: usize = 48;
+    const HEALTHY: usize = 47;
+    let (model, _) = smollm2();
+    let batches = Arc::new(std::sync::Mutex::new(Vec::<Vec<usize>>::new()));
+    let seen = batches.clone();
+    let hooked = Hooked {
+        llm: model.clone(),
+        on_forward: Box::new(move |sizes| seen.lock().unwrap().push(sizes.to_vec())),
+    };
+    let cfg = ServiceConfig {
+        api_keys: specinfer_verifier::engine::key_id(Some("healthy"))
+            .map(|k| [k].into_iter().collect()),
+        ..service_config(EngineConfig {
+            batch_node_budget: 64,
+            ..EngineConfig::default()
+        })
+    };
+    let (server, remote) = service::start_loopback(Arc::new(hooked), API_KEY.into(), cfg).unwrap();
+    let prompt = chat_ids("Hello");
+    let params = SamplingParams::greedy(256);
+    let attacker = Remote::connect(&remote).await.unwrap();
+    let healthy_key = specinfer_net::RemoteConfig {
+        api_key: Some("healthy".into()),
+        ..remote.clone()
+    };
+    let healthy = Remote::connect(&healthy_key).await.unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Six sessions of one key keep a full tree each in the queue.
+    let mut flood = Vec::new();
+    for id in 1..=6 {
+        let mut session = attacker
+            .open(id, prompt.clone(), params.clone())
+            .await
+            .unwrap();
+        let (done, mut root) = (done.clone(), *prompt.last().unwrap());
+        flood.push(tokio::spawn(async move {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                match session.verify(TokenTree::chain(&[root; ATTACK])).await {
+                    Ok(v) if v.finish.is_none() => root = *v.tokens.last().unwrap(),
+                    _ => break,
+                }
+            }
+        }));
+    }
+    let mut session = healthy.open(100, prompt.clone(), params).await.unwrap();
+    let mut root = *prompt.last().unwrap();
+    for _ in 0..12 {
+        let v = session
+            .verify(TokenTree::chain(&[root; HEALTHY]))
+            .await
+            .unwrap();
+        root = *v.tokens.last().unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    for f in flood {
+        let _ = f.await;
+    }
+    // Between two of the healthy key's forwards, at most two of the attacker's: the one
+    // running when its round arrived, and at most one more taken before it. First come, first
+    // served would make it wait behind all six.
+    let order: Vec<bool> = batches
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| b.iter().any(|&n| n == ATTACK || n == HEALTHY))
+        .map(|b| b.contains(&HEALTHY))
+        .collect();
+    let first = order.iter().position(|&h| h).unwrap();
+    let last = order.iter().rposition(|&h| h).unwrap();
+    let longest_wait = order[first..=last]
+        .split(|&h| h)
+        .map(<[bool]>::len)
+        .max()
+        .unwrap();
+    assert_eq!(order.iter().filter(|&&h| h).count(), 12);
+    assert!(
+        longest_wait <= 2,
+        "the healthy key waited {longest_wait} forwards: {order:?}"
+    );
+    server.shutdown().await;
 }
