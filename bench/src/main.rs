@@ -92,6 +92,9 @@ enum SectionName {
     /// The verifier fleet: failover time after a SIGKILL, goodput during a rolling restart,
     /// time to first token with prefix reuse (three verifier processes on loopback).
     Fleet,
+    /// A soak: 16 clients against one verifier for 30 minutes (3 with --quick), answers cut
+    /// off at random; the verifier's memory and KV over time, every answer against its solo run.
+    Soak,
 }
 
 impl SectionName {
@@ -287,6 +290,7 @@ fn main() -> Result<()> {
             SectionName::Qwen => sections::qwen::run(args.quick)?,
             SectionName::Capacity => capacity(&args, &ctx, &llm_path)?,
             SectionName::Fleet => sections::fleet::run(&ctx, &llm_path, &args.ssm, args.quick)?,
+            SectionName::Soak => sections::soak::run(&ctx, &llm_path, args.quick)?,
         };
         done.push(section);
     }

@@ -191,6 +191,19 @@ impl VerifierProcess {
         Ok(ticks / self.ticks_per_second)
     }
 
+    /// Its resident memory (VmRSS).
+    pub fn rss_bytes(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .context("no VmRSS in /proc/PID/status")?
+            .trim()
+            .parse()?;
+        Ok(kib * 1024)
+    }
+
     /// A counter from its Prometheus endpoint.
     pub async fn counter(&self, name: &str) -> Result<f64> {
         let mut sock = tokio::net::TcpStream::connect(self.metrics).await?;

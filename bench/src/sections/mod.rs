@@ -6,6 +6,7 @@ pub mod concurrency;
 pub mod fleet;
 pub mod qwen;
 pub mod rtt;
+pub mod soak;
 pub mod stochastic;
 pub mod tree_vs_sequence;
 pub mod tree_width;
