@@ -20,7 +20,8 @@ impl Drop for Running {
     }
 }
 
-fn tool(name: &str) -> &str {
+/// Fails with what to install when `name` is not on the PATH.
+fn require(name: &str) {
     let found = Command::new("sh")
         .args(["-c", &format!("command -v {name}")])
         .stdout(Stdio::null())
@@ -30,7 +31,6 @@ fn tool(name: &str) -> &str {
         found,
         "{name} is missing: install xvfb, xdotool and imagemagick (scripts/test does)"
     );
-    name
 }
 
 fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
@@ -42,7 +42,7 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 }
 
 fn xdotool(display: &str, args: &[&str]) -> Option<String> {
-    let out = Command::new(tool("xdotool"))
+    let out = Command::new("xdotool")
         .env("DISPLAY", display)
         .args(args)
         .output()
@@ -93,11 +93,14 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
     .save(&data.join("settings.json"))
     .unwrap();
 
+    for name in ["Xvfb", "xdotool", "import"] {
+        require(name);
+    }
     // A display number no other test run holds.
     let number = 90 + std::process::id() % 400;
     let display = format!(":{number}");
     let _xvfb = Running(
-        Command::new(tool("Xvfb"))
+        Command::new("Xvfb")
             .args([&display, "-screen", "0", "1280x800x24", "-nolisten", "tcp"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -153,7 +156,7 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
 
     let shot = tmp.join("desktop.png");
     let _ = std::fs::remove_file(&shot);
-    let status = Command::new(tool("import"))
+    let status = Command::new("import")
         .args(["-display", &display, "-window", &window])
         .arg(&shot)
         .status()

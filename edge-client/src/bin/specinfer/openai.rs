@@ -358,9 +358,8 @@ fn streamed(shape: Shape, rx: UnboundedReceiver<Reply>, stop: StopOnDrop) -> Res
         Body,
         Done,
     }
-    let first = Step::Start;
     let events = futures_util::stream::unfold(
-        (first, rx, Some(stop), shape),
+        (Step::Start, rx, Some(stop), shape),
         |(step, mut rx, mut stop, shape)| async move {
             let bytes = match step {
                 Step::Done => return None,
