@@ -32,6 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
+use crate::quota::KeyRates;
 use crate::session::{run_batch, Done, Work};
 use crate::{RoundOutcome, Session, SessionError};
 
@@ -58,6 +59,9 @@ pub struct EngineConfig {
     /// Sessions one API key may hold at once (0: no quota), so one client cannot take every
     /// session of the verifier. Sessions of unauthenticated connections have no quota.
     pub max_sessions_per_key: usize,
+    /// Tokens one API key may have the LLM run each second, prompt tokens and tree nodes
+    /// (0: no quota; see [`crate::quota`]). Work over the rate waits in the queue.
+    pub key_tokens_per_s: f64,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +77,7 @@ impl Default for EngineConfig {
             queue_depth: 1024,
             prefix_cache_bytes: 512 << 20,
             max_sessions_per_key: 32,
+            key_tokens_per_s: 0.0,
         }
     }
 }
@@ -312,6 +317,21 @@ const MIN_PREFIX_TOKENS: usize = 16;
 /// rounds fill the node budget, so a prefill always progresses.
 const MIN_PREFILL_CHUNK: usize = 32;
 
+/// Work an iteration held back because its key ran over its token rate.
+#[derive(Default)]
+struct Held {
+    ids: Vec<SessionId>,
+    /// When the first of them may go.
+    shortest: Option<Duration>,
+}
+
+impl Held {
+    fn push(&mut self, id: SessionId, wait: Duration) {
+        self.ids.push(id);
+        self.shortest = Some(self.shortest.map_or(wait, |s| s.min(wait)));
+    }
+}
+
 /// One session's share of an iteration.
 enum Job {
     Verify(PendingVerify),
@@ -358,6 +378,11 @@ pub fn spawn<M: TreeModel + 'static>(
                 epoch: Instant::now(),
                 draining: false,
                 prefixes: PrefixCache::new(cfg.prefix_cache_bytes),
+                rates: KeyRates::new(
+                    cfg.key_tokens_per_s,
+                    (cfg.limits.max_tree_nodes as usize).max(MIN_PREFILL_CHUNK),
+                ),
+                held_for: None,
                 cfg,
             }
             .run(rx, notices_rx)
@@ -421,17 +446,28 @@ struct Engine<M: TreeModel> {
     draining: bool,
     /// Closed sessions' K/V, for sessions that start with the same tokens.
     prefixes: PrefixCache<M::Cache>,
+    /// Each key's token rate.
+    rates: KeyRates,
+    /// Set by an iteration that placed nothing because every waiting key was over its rate:
+    /// how long until the first of them may go again (the loop sleeps that long, not spins).
+    held_for: Option<Duration>,
 }
 
 impl<M: TreeModel> Engine<M> {
     fn run(mut self, rx: Receiver<Request>, notices: Receiver<Request>) {
         let mut stopping = false;
         loop {
-            if self.pending.is_empty() && !self.prefilling() && !self.driving() {
-                if stopping {
-                    break;
-                }
-                match rx.recv_timeout(Duration::from_secs(1)) {
+            let idle = self.pending.is_empty() && !self.prefilling() && !self.driving();
+            if idle && stopping {
+                break;
+            }
+            let wait = if idle {
+                Some(Duration::from_secs(1))
+            } else {
+                self.held_for.take()
+            };
+            if let Some(wait) = wait {
+                match rx.recv_timeout(wait) {
                     Ok(r) => stopping |= self.handle(r),
                     Err(RecvTimeoutError::Timeout) => {}
                     Err(RecvTimeoutError::Disconnected) => break,
@@ -828,8 +864,15 @@ impl<M: TreeModel> Engine<M> {
 
     /// Takes a session out of the table (and the active-sessions gauge).
     fn take(&mut self, id: SessionId, why: &str) -> Option<Entry<M>> {
-        let e = self.sessions.remove(&id)?;
+        let mut e = self.sessions.remove(&id)?;
         tracing::debug!(id, why, "session removed");
+        // Whoever waits for its prefill hears why, rather than that the verifier stopped.
+        if let Some((reply, _)) = e.opening.take() {
+            let _ = reply.send(Err(EngineError::new(
+                ErrorCode::Internal,
+                format!("the session was closed before its prompt was prefilled: {why}"),
+            )));
+        }
         self.metrics
             .sessions_active
             .store(self.sessions.len() as u64, Ordering::Relaxed);
@@ -845,6 +888,18 @@ impl<M: TreeModel> Engine<M> {
         let mut nodes = 0;
         let mut deferred = VecDeque::new();
         let mut waiting = std::mem::take(&mut self.pending);
+        let now = Instant::now();
+        // Work of keys over their token rate waits; the shortest such wait, and who waits.
+        let mut held = Held::default();
+        // A rate-limited key's oldest waiting prefill: its rounds enqueued later let it have
+        // the key's tokens first, or a key's busy sessions would starve its new ones.
+        let mut oldest_prefill: HashMap<KeyId, Instant> = HashMap::new();
+        for e in self.sessions.values() {
+            if let (Some((_, since)), true) = (&e.opening, self.rates.limits(&e.owner)) {
+                let t = oldest_prefill.entry(e.owner).or_insert(*since);
+                *t = (*t).min(*since);
+            }
+        }
         while let Some(p) = self.next_fairly(&mut waiting) {
             let fits = jobs.is_empty() || nodes + p.tree.len() <= self.cfg.batch_node_budget;
             // One round per session per forward: a second tree needs the first one's outcome.
@@ -861,10 +916,25 @@ impl<M: TreeModel> Engine<M> {
                 }
                 continue;
             }
-            nodes += p.tree.len();
-            if let Some(e) = self.sessions.get(&p.id) {
-                *self.served.entry(e.owner).or_default() += p.tree.len();
+            let owner = self
+                .sessions
+                .get(&p.id)
+                .map(|e| e.owner)
+                .unwrap_or_default();
+            let wait = self.rates.wait(&owner, now).or_else(|| {
+                oldest_prefill
+                    .get(&owner)
+                    .is_some_and(|&since| since < p.enqueued)
+                    .then_some(Duration::ZERO)
+            });
+            if let Some(wait) = wait {
+                held.push(p.id, wait);
+                deferred.push_back(p);
+                continue;
             }
+            self.rates.charge(&owner, p.tree.len(), now);
+            nodes += p.tree.len();
+            *self.served.entry(owner).or_default() += p.tree.len();
             jobs.push((p.id, Job::Verify(p)));
         }
         // Busy: rounds wait for a place. Trees are capped at an equal share of a forward.
@@ -875,6 +945,7 @@ impl<M: TreeModel> Engine<M> {
                 .iter()
                 .map(|(id, _)| *id)
                 .chain(deferred.iter().map(|p| p.id))
+                .filter(|id| !held.ids.contains(id))
                 .collect();
             (self.cfg.batch_node_budget / waiting.len().max(1)).max(1) as u32
         };
@@ -884,23 +955,38 @@ impl<M: TreeModel> Engine<M> {
             // Idle: the next busy period starts even (a key that was busy before has no debt).
             self.served.clear();
         }
-        let mut opening: Vec<(SessionId, usize)> = self
+        let mut opening: Vec<(SessionId, usize, KeyId)> = self
             .sessions
             .iter()
             .filter(|(id, e)| e.opening.is_some() && !jobs.iter().any(|(j, _)| j == *id))
-            .map(|(&id, e)| (id, e.session.prefill_pending()))
+            .map(|(&id, e)| (id, e.session.prefill_pending(), e.owner))
             .collect();
         opening.sort_unstable();
         let mut left = self.cfg.batch_node_budget.saturating_sub(nodes);
-        for (id, pending) in opening {
+        for (id, pending, owner) in opening {
+            if let Some(wait) = self.rates.wait(&owner, now) {
+                held.push(id, wait);
+                continue;
+            }
             let take = pending.min(left.max(MIN_PREFILL_CHUNK));
+            self.rates.charge(&owner, take, now);
             jobs.push((id, Job::Prefill(take)));
             left = left.saturating_sub(take);
             if left == 0 {
                 break;
             }
         }
+        // Work the engine holds back is not the client's idleness: its sessions stay.
+        for id in &held.ids {
+            if let Some(e) = self.sessions.get_mut(id) {
+                e.last_used = now;
+            }
+        }
+        self.metrics
+            .rate_held
+            .store(held.ids.len() as u64, Ordering::Relaxed);
         if jobs.is_empty() {
+            self.held_for = held.shortest;
             return;
         }
 

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod engine;
 pub mod metrics;
 pub mod prefix;
+pub mod quota;
 pub mod service;
 pub mod session;
 pub mod verify;

@@ -108,6 +108,8 @@ pub struct Metrics {
     pub bytes_out: AtomicU64,
     /// Verification rounds waiting for a forward (a gauge; what an autoscaler should watch).
     pub queued_rounds: AtomicU64,
+    /// Rounds and prefills held back because their API key ran over its token rate (a gauge).
+    pub rate_held: AtomicU64,
     /// KV cache bytes the sessions hold (a gauge).
     pub kv_bytes: AtomicU64,
     /// Tree nodes and prompt tokens of the last batched forward (a gauge).
@@ -154,6 +156,7 @@ impl Default for Metrics {
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
             queued_rounds: AtomicU64::new(0),
+            rate_held: AtomicU64::new(0),
             kv_bytes: AtomicU64::new(0),
             last_batch_nodes: AtomicU64::new(0),
             draining: AtomicU64::new(0),
@@ -297,6 +300,13 @@ impl Metrics {
             "gauge",
             "Verification rounds waiting for a forward.",
             &self.queued_rounds,
+        );
+        counter(
+            &mut out,
+            "specinfer_rate_held",
+            "gauge",
+            "Rounds and prefills held back because their API key ran over its token rate.",
+            &self.rate_held,
         );
         counter(
             &mut out,

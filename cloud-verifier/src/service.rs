@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 use std::future::Future;
 
 use specinfer_model::TreeModel;
+use specinfer_wire::server::{check_hello, HelloPolicy, SessionStream, StreamStep};
 use specinfer_wire::{
-    ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, ServerHello, ServerLoad,
+    ClientHello, ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, ServerHello, ServerLoad,
     SessionOpened, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -532,13 +533,13 @@ async fn accept_loop(endpoint: quinn::Endpoint, ctx: Arc<Ctx>) {
     }
 }
 
-fn error(code: ErrorCode, session: Option<u64>, message: impl Into<String>) -> Message {
-    Message::Error(ErrorFrame {
+fn error(code: ErrorCode, session: Option<u64>, message: impl Into<String>) -> ErrorFrame {
+    ErrorFrame {
         code,
         session,
         message: message.into(),
         retry_after_ms: None,
-    })
+    }
 }
 
 fn engine_error(e: EngineError, session: u64) -> Message {
@@ -610,52 +611,20 @@ impl Ctx {
         }))
     }
 
-    /// The error to send back when the client's hello is refused.
-    fn refusal(&self, msg: Message) -> Option<Message> {
-        let Message::ClientHello(h) = msg else {
-            return Some(error(
-                ErrorCode::BadFrame,
-                None,
-                "the first frame must be ClientHello",
-            ));
+    /// The hello of a connection's first frame, or the error that refuses the connection.
+    fn check_hello(&self, first: Message) -> Result<ClientHello, ErrorFrame> {
+        let admits_key = |key: Option<&str>| match &self.cfg.api_keys {
+            None => true,
+            Some(keys) => engine::key_id(key).is_some_and(|d| keys.contains(&d)),
         };
-        if h.protocol_version != PROTOCOL_VERSION {
-            return Some(error(
-                ErrorCode::UnsupportedVersion,
-                None,
-                format!(
-                    "client speaks protocol {}, this verifier speaks {PROTOCOL_VERSION}",
-                    h.protocol_version
-                ),
-            ));
-        }
-        if let Some(keys) = &self.cfg.api_keys {
-            if !engine::key_id(h.api_key.as_deref()).is_some_and(|d| keys.contains(&d)) {
-                return Some(error(
-                    ErrorCode::Unauthorized,
-                    None,
-                    "missing or unknown API key",
-                ));
-            }
-        }
-        if !self.metrics.engine_alive.load(Ordering::Relaxed) {
-            return Some(error(
-                ErrorCode::Internal,
-                None,
-                "the verifier's engine has stopped; try another verifier",
-            ));
-        }
-        if h.expected_model != self.cfg.fingerprint {
-            return Some(error(
-                ErrorCode::ModelMismatch,
-                None,
-                format!(
-                    "tokenizer mismatch: the verifier's model is [{}], the client expects [{}]",
-                    self.cfg.fingerprint, h.expected_model
-                ),
-            ));
-        }
-        None
+        check_hello(
+            first,
+            &HelloPolicy {
+                model: &self.cfg.fingerprint,
+                admits_key: &admits_key,
+                serving: self.metrics.engine_alive.load(Ordering::Relaxed),
+            },
+        )
     }
 }
 
@@ -670,40 +639,33 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
         .await
         .map_err(|_| NetError::Timeout)?;
     // Sessions are bound to the key that opened them: only it may resume them.
-    let mut owner = None;
-    let refusal = match hello {
-        Ok(Some(msg)) => {
-            if let Message::ClientHello(h) = &msg {
-                owner = engine::key_id(h.api_key.as_deref());
-            }
-            ctx.refusal(msg)
-        }
-        Ok(None) => Some(error(
+    let checked = match hello {
+        Ok(Some(first)) => ctx.check_hello(first),
+        Ok(None) => Err(error(
             ErrorCode::BadFrame,
             None,
             "stream ended before ClientHello",
         )),
-        Err(NetError::Decode(e)) => Some(error(e.error_code(), None, e.to_string())),
+        Err(NetError::Decode(e)) => Err(error(e.error_code(), None, e.to_string())),
         Err(e) => return Err(e),
     };
-    if let Some(refusal) = refusal {
-        if let Message::Error(ErrorFrame {
-            code: ErrorCode::Unauthorized,
-            ..
-        }) = &refusal
-        {
-            ctx.auth_failures
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .record(conn.remote_address());
+    let owner = match checked {
+        Ok(h) => engine::key_id(h.api_key.as_deref()),
+        Err(refusal) => {
+            if refusal.code == ErrorCode::Unauthorized {
+                ctx.auth_failures
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .record(conn.remote_address());
+            }
+            ctx.send(&mut send, &Message::Error(refusal)).await?;
+            let _ = send.shutdown().await;
+            // Give the client a moment to read the reason before the connection goes.
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
+            conn.close(b"refused");
+            return Ok(());
         }
-        ctx.send(&mut send, &refusal).await?;
-        let _ = send.shutdown().await;
-        // Give the client a moment to read the reason before the connection goes.
-        let _ = tokio::time::timeout(Duration::from_secs(2), conn.closed()).await;
-        conn.close(b"refused");
-        return Ok(());
-    }
+    };
     let hello = Message::ServerHello(ServerHello {
         protocol_version: PROTOCOL_VERSION,
         model_name: ctx.cfg.model_name.clone(),
@@ -721,19 +683,14 @@ async fn connection<C: ClientConn>(conn: C, ctx: &Arc<Ctx>) -> Result<(), NetErr
     }
 }
 
-/// The session a stream carries: the client's id for it and the engine's.
-struct Bound {
-    client_id: u64,
-    id: SessionId,
-    next_round: u32,
-}
-
+/// Serves one session stream: the order of its frames is [`SessionStream`]'s (sans-I/O, fuzzed
+/// in `wire/fuzz`); this carries out each step against the engine.
 async fn session_stream<W, R>(mut send: W, mut recv: R, ctx: &Ctx, owner: engine::KeyId)
 where
     W: AsyncWrite + Unpin,
     R: AsyncRead + Unpin,
 {
-    let mut bound: Option<Bound> = None;
+    let mut stream = SessionStream::<SessionId>::default();
     let closed_cleanly = loop {
         let msg = match ctx.recv(&mut recv).await {
             Ok(Some(m)) => m,
@@ -742,127 +699,92 @@ where
                 let _ = ctx
                     .send(
                         &mut send,
-                        &error(
-                            e.error_code(),
-                            bound.as_ref().map(|b| b.client_id),
-                            e.to_string(),
-                        ),
+                        &Message::Error(error(e.error_code(), stream.client_id(), e.to_string())),
                     )
                     .await;
                 let _ = send.shutdown().await;
-                if let Some(b) = &bound {
+                if let Some(b) = stream.bound() {
                     ctx.engine.close(b.id);
                 }
                 return;
             }
             Err(_) => break false,
         };
-        let reply = match msg {
-            Message::OpenSession(o) if bound.is_none() => {
-                match ctx.engine.open(o.prompt, o.params, owner).await {
-                    Ok(opened) => {
-                        bound = Some(Bound {
-                            client_id: o.session,
-                            id: opened.id,
-                            next_round: 0,
-                        });
-                        Message::SessionOpened(SessionOpened {
-                            session: o.session,
-                            resume_token: opened.resume_token,
-                        })
-                    }
-                    Err(e) => engine_error(e, o.session),
+        let reply = match stream.on_frame(msg) {
+            StreamStep::Open(o) => match ctx.engine.open(o.prompt, o.params, owner).await {
+                Ok(opened) => {
+                    stream.bind(o.session, opened.id);
+                    Message::SessionOpened(SessionOpened {
+                        session: o.session,
+                        resume_token: opened.resume_token,
+                    })
                 }
-            }
-            Message::Resume {
+                Err(e) => engine_error(e, o.session),
+            },
+            StreamStep::Resume {
                 session,
                 resume_token,
-            } if bound.is_none() => match ctx.engine.resume(resume_token, owner).await {
+            } => match ctx.engine.resume(resume_token, owner).await {
                 Ok((id, committed)) => {
-                    bound = Some(Bound {
-                        client_id: session,
-                        id,
-                        next_round: 0,
-                    });
+                    stream.bind(session, id);
                     Message::Resumed { session, committed }
                 }
                 Err(e) => engine_error(e, session),
             },
-            Message::Verify(v) if bound.as_ref().is_some_and(|b| b.client_id == v.session) => {
-                let b = bound.as_mut().expect("checked by the guard");
-                if v.round != b.next_round {
-                    error(
-                        ErrorCode::OutOfOrder,
-                        Some(v.session),
-                        format!("expected round {}, got {}", b.next_round, v.round),
-                    )
-                } else {
-                    match ctx.engine.verify(b.id, v.tree).await {
-                        Ok(r) => {
-                            b.next_round += 1;
-                            Message::Verified(r.outcome.into_verified(v.session, v.round, r.stats))
-                        }
-                        Err(e) if e.code == ErrorCode::Draining => {
-                            // The engine has closed the session; the client takes it elsewhere.
-                            ctx.metrics.sessions_moved.fetch_add(1, Ordering::Relaxed);
-                            let _ = ctx
-                                .send(&mut send, &Message::Move { session: v.session })
-                                .await;
+            StreamStep::Verify(v) => {
+                let id = stream.bound().expect("verify steps are bound").id;
+                match ctx.engine.verify(id, v.tree).await {
+                    Ok(r) => {
+                        stream.round_done();
+                        Message::Verified(r.outcome.into_verified(v.session, v.round, r.stats))
+                    }
+                    Err(e) if e.code == ErrorCode::Draining => {
+                        // The engine has closed the session; the client takes it elsewhere.
+                        ctx.metrics.sessions_moved.fetch_add(1, Ordering::Relaxed);
+                        let _ = ctx
+                            .send(&mut send, &Message::Move { session: v.session })
+                            .await;
+                        let _ = send.shutdown().await;
+                        return;
+                    }
+                    Err(e) => {
+                        let fatal = e.code == ErrorCode::BadFrame;
+                        let reply = engine_error(e, v.session);
+                        if fatal {
+                            // A tree the model refused: the session ends, the stream with it.
+                            let _ = ctx.send(&mut send, &reply).await;
                             let _ = send.shutdown().await;
+                            ctx.engine.close(id);
                             return;
                         }
-                        Err(e) => {
-                            let fatal = e.code == ErrorCode::BadFrame;
-                            let reply = engine_error(e, v.session);
-                            if fatal {
-                                // A tree the model refused: the session ends, the stream with it.
-                                let _ = ctx.send(&mut send, &reply).await;
-                                let _ = send.shutdown().await;
-                                ctx.engine.close(b.id);
-                                return;
-                            }
-                            reply
-                        }
+                        reply
                     }
                 }
             }
-            Message::Generate { session, drafting }
-                if bound.as_ref().is_some_and(|b| b.client_id == session) =>
-            {
-                let b = bound.as_mut().expect("checked by the guard");
-                match stream_generation(&mut send, ctx, b, drafting).await {
+            StreamStep::Generate { drafting } => {
+                match stream_generation(&mut send, ctx, &mut stream, drafting).await {
                     Ok(()) => continue,
                     Err(_) => break false,
                 }
             }
-            Message::Close { session } => {
+            StreamStep::Close { session } => {
                 // Acknowledged, so the client knows the memory is freed before it goes.
                 let _ = ctx.send(&mut send, &Message::Close { session }).await;
                 break true;
             }
-            other => error(
-                ErrorCode::OutOfOrder,
-                bound.as_ref().map(|b| b.client_id),
-                format!(
-                    "unexpected {} on a session stream in this state",
-                    other.name()
-                ),
-            ),
+            StreamStep::Refuse(e) => Message::Error(e),
         };
         if ctx.send(&mut send, &reply).await.is_err() {
             break false;
         }
     };
-    tracing::debug!(
-        closed_cleanly,
-        session = bound.as_ref().map(|b| b.id),
-        "session stream ended"
-    );
-    if let Some(b) = bound {
+    let bound = stream.bound().map(|b| b.id);
+    tracing::debug!(closed_cleanly, session = bound, "session stream ended");
+    if let Some(id) = bound {
         if closed_cleanly {
-            ctx.engine.close(b.id);
+            ctx.engine.close(id);
         } else {
-            ctx.engine.detach(b.id);
+            ctx.engine.detach(id);
         }
     }
     let _ = send.shutdown().await;
@@ -875,21 +797,22 @@ where
 async fn stream_generation<W: AsyncWrite + Unpin>(
     send: &mut W,
     ctx: &Ctx,
-    b: &mut Bound,
+    stream: &mut SessionStream<SessionId>,
     drafting: specinfer_wire::ServerDrafting,
 ) -> Result<(), NetError> {
-    let mut rounds = match ctx.engine.generate(b.id, drafting) {
+    let b = stream.bound().expect("generate steps are bound");
+    let (client_id, id) = (b.client_id, b.id);
+    let mut rounds = match ctx.engine.generate(id, drafting) {
         Ok(rounds) => rounds,
-        Err(e) => return ctx.send(send, &engine_error(e, b.client_id)).await,
+        Err(e) => return ctx.send(send, &engine_error(e, client_id)).await,
     };
     while let Some(round) = rounds.recv().await {
         let msg = match round {
             Ok(r) => {
-                let v = r.outcome.into_verified(b.client_id, b.next_round, r.stats);
-                b.next_round += 1;
-                Message::Verified(v)
+                let number = stream.round_done();
+                Message::Verified(r.outcome.into_verified(client_id, number, r.stats))
             }
-            Err(e) => engine_error(e, b.client_id),
+            Err(e) => engine_error(e, client_id),
         };
         ctx.send(send, &msg).await?;
     }

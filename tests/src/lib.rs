@@ -149,3 +149,49 @@ impl DraftModel for NoisyDraft<'_> {
 }
 
 pub use specinfer_net::UdpRelay;
+
+/// A raw QUIC connection to `remote` from `bind` (an address of this host, so tests can speak
+/// from addresses of their own), before any hello: for tests that speak the protocol frame by
+/// frame.
+pub async fn raw_connection(
+    remote: &RemoteConfig,
+    bind: &str,
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    let mut endpoint = quinn::Endpoint::client(bind.parse().map_err(|e| format!("{bind}: {e}"))?)
+        .map_err(|e| e.to_string())?;
+    endpoint.set_default_client_config(
+        specinfer_net::client_config(&remote.trust).map_err(|e| e.to_string())?,
+    );
+    let conn = endpoint
+        .connect(remote.addr, "localhost")
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((endpoint, conn))
+}
+
+/// [`raw_connection`] that has said hello with `api_key` and `fingerprint`, and the verifier's
+/// answer.
+pub async fn raw_hello(
+    remote: &RemoteConfig,
+    bind: &str,
+    api_key: &str,
+    fingerprint: specinfer_wire::ModelFingerprint,
+) -> (quinn::Endpoint, quinn::Connection, specinfer_wire::Message) {
+    use specinfer_wire::{ClientHello, Limits, Message, PROTOCOL_VERSION};
+    let (endpoint, conn) = raw_connection(remote, bind).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = ClientHello {
+        protocol_version: PROTOCOL_VERSION,
+        expected_model: fingerprint,
+        api_key: Some(api_key.into()),
+    };
+    specinfer_net::write_frame(&mut send, &Message::ClientHello(hello))
+        .await
+        .unwrap();
+    let (reply, _) = specinfer_net::read_frame(&mut recv, &Limits::default())
+        .await
+        .unwrap()
+        .unwrap();
+    (endpoint, conn, reply)
+}

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use specinfer_edge::{Client, Generation};
 use specinfer_integration::{
-    chat_ids, default_ssm, smollm2, start_verifier, start_verifier_drafting, start_verifier_with,
-    NoisyDraft, UdpRelay, API_KEY,
+    chat_ids, default_ssm, raw_hello, smollm2, start_verifier, start_verifier_drafting,
+    start_verifier_with, NoisyDraft, UdpRelay, API_KEY,
 };
 use specinfer_net::RemoteConfig;
 use specinfer_net::{client_config, read_frame, write_frame};
@@ -349,27 +349,7 @@ async fn raw_connect(
     api_key: &str,
     fingerprint: ModelFingerprint,
 ) -> (quinn::Endpoint, quinn::Connection, Message) {
-    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
-    endpoint.set_default_client_config(client_config(&remote.trust).unwrap());
-    let conn = endpoint
-        .connect(remote.addr, "localhost")
-        .unwrap()
-        .await
-        .unwrap();
-    let (mut send, mut recv) = conn.open_bi().await.unwrap();
-    let hello = ClientHello {
-        protocol_version: PROTOCOL_VERSION,
-        expected_model: fingerprint,
-        api_key: Some(api_key.into()),
-    };
-    write_frame(&mut send, &Message::ClientHello(hello))
-        .await
-        .unwrap();
-    let (reply, _) = read_frame(&mut recv, &Limits::default())
-        .await
-        .unwrap()
-        .unwrap();
-    (endpoint, conn, reply)
+    raw_hello(remote, "127.0.0.1:0", api_key, fingerprint).await
 }
 
 async fn exchange(conn: &quinn::Connection, bytes: &[u8]) -> Message {

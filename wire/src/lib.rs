@@ -8,6 +8,7 @@ mod codec;
 mod features;
 mod hex;
 mod message;
+pub mod server;
 mod tree;
 
 pub use codec::{decode_frame, encode_frame, frame_len, DecodeError, FRAME_HEADER_BYTES};

@@ -12,6 +12,9 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(msg) = decode_frame(data, &limits) {
         let frame = encode_frame(&msg);
-        assert_eq!(decode_frame(&frame[FRAME_HEADER_BYTES..], &limits).unwrap(), msg);
+        assert_eq!(
+            decode_frame(&frame[FRAME_HEADER_BYTES..], &limits).unwrap(),
+            msg
+        );
     }
 });

@@ -47,7 +47,9 @@ fuzz_target!(|data: &[u8]| {
         }
         Message::Verified(v) => {
             if let Some(f) = v.features {
-                if f.validate(limits.max_tree_nodes as usize + PROMPT_FEATURE_ROWS).is_ok() {
+                if f.validate(limits.max_tree_nodes as usize + PROMPT_FEATURE_ROWS)
+                    .is_ok()
+                {
                     assert_eq!(f.dequantize().len(), f.rows() * f.dim as usize);
                 }
             }
