@@ -17,20 +17,9 @@ export SPECINFER_CACHE=$stage/cache
 mkdir -p "$SPECINFER_CACHE"
 cat "$stage/model.0" "$stage/model.1" >"$SPECINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 tar -C "$stage" -xJf "$stage/bin.tar.xz"
-# cudarc opens libnvrtc.so / libcublas.so, or their .so.12: CUDA 13 has .so.13, so link the
-# unversioned names to what the machine has (the toolkit's, else the PyPI wheels') and put the
-# originals' folders on the path for their own dependencies (cublasLt, nvrtc-builtins).
-libs=$stage/lib
-mkdir -p "$libs"
-for name in nvrtc cublas; do
-  real=$( (find /usr/local/cuda*/ /usr/lib /opt -name "lib$name.so.1[0-9]*" 2>/dev/null || true) |
-    sort -V | tail -1)
-  [ -n "$real" ] || { echo "no lib$name on this machine" >&2; exit 1; }
-  echo "lib$name: $real"
-  ln -sf "$real" "$libs/lib$name.so"
-  LD_LIBRARY_PATH="$(dirname "$real"):${LD_LIBRARY_PATH:-}"
-done
+# The binaries choose NVRTC and cuBLAS themselves: the newest the driver supports, from the CUDA
+# toolkits, the loader's path and PyPI wheels (specinfer_kernels::cuda_libs; they say which).
 # The driver: where the container runtime puts it, if not on the loader's default path.
-export LD_LIBRARY_PATH="$libs:$LD_LIBRARY_PATH:/usr/local/nvidia/lib64"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/nvidia/lib64"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 SPECINFER_GPU_BIN=$stage/bin scripts/gpu-check.sh

@@ -31,11 +31,29 @@ pub fn nvrtc_available() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+const NVRTC_MISSING: &str = "NVRTC cannot be loaded (cudarc opens libnvrtc.so or libnvrtc.so.12): \
+     on a GPU machine `specinfer_kernels::cuda_libs::prepare` links the NVRTC the driver supports \
+     (.so.12 or .so.13, the CUDA toolkit's or the PyPI wheel nvidia-cuda-nvrtc-cu12/-cu13's)";
+
+/// The version of the NVRTC this process loaded.
+pub fn nvrtc_version() -> Result<(i32, i32), String> {
+    if !nvrtc_available() {
+        return Err(NVRTC_MISSING.into());
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC's documented query, with valid out pointers.
+    let status = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion failed: {status:?}"));
+    }
+    Ok((major, minor))
+}
+
 /// Compiles [`SOURCE`] to PTX for a GPU architecture such as `"sm_80"` or `"sm_90"`. Exact
 /// arithmetic (no fast math), so GPU logits stay close to the CPU engine's.
 pub fn compile_ptx(arch: &'static str) -> Result<Ptx, String> {
     if !nvrtc_available() {
-        return Err("NVRTC (libnvrtc.so.12) cannot be loaded: install the CUDA toolkit's NVRTC or the PyPI wheel nvidia-cuda-nvrtc-cu12".into());
+        return Err(NVRTC_MISSING.into());
     }
     compile_ptx_with_opts(
         SOURCE,
@@ -47,4 +65,60 @@ pub fn compile_ptx(arch: &'static str) -> Result<Ptx, String> {
         },
     )
     .map_err(|e| format!("NVRTC ({arch}): {e}"))
+}
+
+/// Compiles [`SOURCE`] to CUBIN (machine code) for exactly the architecture `sm_XY`, with the
+/// same exact arithmetic as [`compile_ptx`]. A driver loads a CUBIN made by any NVRTC of its own
+/// major version (CUDA's minor-version compatibility), where PTX from an NVRTC newer than the
+/// driver is refused; load it with `Ptx::from_binary`.
+pub fn compile_cubin(major: i32, minor: i32) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    if !nvrtc_available() {
+        return Err(NVRTC_MISSING.into());
+    }
+    let arch = format!("sm_{major}{minor}");
+    let src = std::ffi::CString::new(SOURCE).expect("the kernel source has no NUL");
+    let prog = result::create_program(&src, Some(c"specinfer.cu"))
+        .map_err(|e| format!("NVRTC ({arch}): {e}"))?;
+    let options = [
+        format!("--gpu-architecture={arch}"),
+        "--ftz=false".into(),
+        "--prec-sqrt=true".into(),
+        "--prec-div=true".into(),
+        "--fmad=true".into(),
+    ];
+    // SAFETY: `prog` is alive until destroyed below; the buffer has the size NVRTC reported.
+    let compiled = unsafe {
+        match result::compile_program(prog, &options) {
+            Ok(()) => {
+                let mut size = 0usize;
+                let status = sys::nvrtcGetCUBINSize(prog, &mut size);
+                if status != sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+                    Err(format!("NVRTC ({arch}) gave no CUBIN: {status:?}"))
+                } else {
+                    let mut cubin = vec![0u8; size];
+                    let status = sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast());
+                    if status == sys::nvrtcResult::NVRTC_SUCCESS {
+                        Ok(cubin)
+                    } else {
+                        Err(format!("NVRTC ({arch}): nvrtcGetCUBIN {status:?}"))
+                    }
+                }
+            }
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_string()
+                    })
+                    .unwrap_or_default();
+                Err(format!("NVRTC ({arch}): {e}: {log}"))
+            }
+        }
+    };
+    // SAFETY: created above and not destroyed before.
+    let _ = unsafe { result::destroy_program(prog) };
+    compiled
 }

@@ -7,6 +7,7 @@
 mod attention;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_libs;
 mod lanes;
 pub mod quant;
 pub mod sampling;

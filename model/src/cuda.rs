@@ -10,12 +10,14 @@
 
 use std::sync::Arc;
 
-use specinfer_kernels::cuda::compile_ptx;
 use specinfer_kernels::cuda::cudarc::cublas::sys::cublasOperation_t;
 use specinfer_kernels::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use specinfer_kernels::cuda::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use specinfer_kernels::cuda::cudarc::nvrtc::Ptx;
+use specinfer_kernels::cuda::{compile_cubin, compile_ptx, nvrtc_version};
+use specinfer_kernels::cuda_libs::loaded_library;
 use specinfer_wire::TokenTree;
 
 use crate::llama::{Linear, Logits};
@@ -70,6 +72,7 @@ pub struct CudaLlama {
     final_norm: CudaSlice<f32>,
     lm_head: DeviceLinear,
     head_ids: Option<Vec<u32>>,
+    runtime: String,
 }
 
 /// One sequence's KV cache on the device, `max_positions` rows per layer allocated up front.
@@ -135,28 +138,47 @@ impl CudaLlama {
         // SAFETY: as above, for cuBLAS (cudarc would panic at the first projection without it).
         if !unsafe { specinfer_kernels::cuda::cudarc::cublas::sys::is_culib_present() } {
             return Err(gpu_err(
-                "cuBLAS (libcublas.so or libcublas.so.12) cannot be loaded: install CUDA's cuBLAS \
-                 or the PyPI wheel nvidia-cublas-cu12 and put its folder on LD_LIBRARY_PATH",
+                "cuBLAS cannot be loaded (cudarc opens libcublas.so or libcublas.so.12): on a GPU \
+                 machine `specinfer_kernels::cuda_libs::prepare` links the cuBLAS the driver supports \
+                 (.so.12 or .so.13, the CUDA toolkit's or the PyPI wheel nvidia-cublas-cu12/-cu13's)",
             ));
         }
         let ctx = CudaContext::new(ordinal).map_err(gpu_err)?;
         let (major, minor) = ctx.compute_capability().map_err(gpu_err)?;
-        let arch: &'static str = match (major, minor) {
-            // PTX is forward compatible: newer GPUs JIT-compile the sm_90 code.
-            (m, _) if m >= 9 => "sm_90",
-            (8, 9) => "sm_89",
-            (8, 6) => "sm_86",
-            (8, _) => "sm_80",
-            (7, 5) => "sm_75",
-            (m, n) => {
-                return Err(gpu_err(format!(
-                    "compute capability {m}.{n} is not supported (sm_75 or newer)"
-                )))
+        if (major, minor) < (7, 5) {
+            return Err(gpu_err(format!(
+                "compute capability {major}.{minor} is not supported (sm_75 or newer)"
+            )));
+        }
+        let (nvrtc_major, nvrtc_minor) = nvrtc_version().map_err(gpu_err)?;
+        let nvrtc = format!(
+            "NVRTC {nvrtc_major}.{nvrtc_minor} ({})",
+            loaded_library("libnvrtc").map_or("path unknown".into(), |p| p.display().to_string())
+        );
+        // Machine code for exactly this GPU, which the driver loads whatever NVRTC minor made
+        // it; PTX (JIT-compiled by the driver, refused when newer than it) only if NVRTC does
+        // not know the architecture yet.
+        let (module, runtime) = match compile_cubin(major, minor) {
+            Ok(cubin) => (
+                ctx.load_module(Ptx::from_binary(cubin)).map_err(gpu_err)?,
+                format!("{nvrtc}, CUBIN for sm_{major}{minor}"),
+            ),
+            Err(cubin) => {
+                let arch = match (major, minor) {
+                    (m, _) if m >= 9 => "sm_90",
+                    (8, 9) => "sm_89",
+                    (8, 6) => "sm_86",
+                    (8, _) => "sm_80",
+                    _ => "sm_75",
+                };
+                tracing::warn!(%cubin, "no CUBIN for this GPU; loading PTX for {arch}");
+                (
+                    ctx.load_module(compile_ptx(arch).map_err(gpu_err)?)
+                        .map_err(gpu_err)?,
+                    format!("{nvrtc}, PTX for {arch} (JIT)"),
+                )
             }
         };
-        let module = ctx
-            .load_module(compile_ptx(arch).map_err(gpu_err)?)
-            .map_err(gpu_err)?;
         let load = |name: &str| module.load_function(name).map_err(gpu_err);
         let f = Kernels {
             embed_rows: load("embed_rows")?,
@@ -200,6 +222,7 @@ impl CudaLlama {
             final_norm: up(&model.final_norm)?,
             lm_head: linear(&model.lm_head)?,
             head_ids: model.head_ids.clone(),
+            runtime,
             layers,
             f,
             blas,
@@ -209,6 +232,11 @@ impl CudaLlama {
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Which NVRTC compiled the kernels, from where, and to what (for logs and reports).
+    pub fn runtime(&self) -> &str {
+        &self.runtime
     }
 
     /// Bytes of weights on the device (what one decode step must read).

@@ -138,6 +138,11 @@ struct ServeArgs {
     /// Sessions one API key may hold at once (0: no quota).
     #[arg(long, default_value_t = 32)]
     max_sessions_per_key: usize,
+    /// Tokens one API key may have the LLM run each second: prompt tokens and tree nodes,
+    /// what the key costs the verifier (0: no quota). A key over its rate gets slower rounds,
+    /// never errors; its bucket holds a second of the rate (at least one largest tree).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_rate)]
+    max_tokens_per_second_per_key: f64,
     /// KV cache memory one session may hold, MiB.
     #[arg(long, default_value_t = 512)]
     session_kv_mib: usize,
@@ -185,6 +190,15 @@ enum Device {
     Cpu,
     #[cfg(feature = "cuda")]
     Cuda(usize),
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r >= 0.0 => Ok(r),
+        _ => Err(format!(
+            "{s:?} is not a rate: give tokens per second, 0 or more"
+        )),
+    }
 }
 
 fn parse_device(s: &str) -> Result<Device, String> {
@@ -265,6 +279,12 @@ fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
+    // First of all: this may re-execute the process with the CUDA libraries the driver supports.
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(_) = args.device {
+        let chosen = specinfer_kernels::cuda_libs::prepare().map_err(anyhow::Error::msg)?;
+        tracing::info!(%chosen, "CUDA libraries");
+    }
     let identity = match (&args.cert, &args.key, args.self_signed) {
         (Some(c), Some(k), false) => ServerIdentity::from_pem(c, k)?,
         (None, None, true) => {
@@ -322,6 +342,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             session_kv_bytes: args.session_kv_mib << 20,
             prefix_cache_bytes: args.prefix_cache_mib << 20,
             max_sessions_per_key: args.max_sessions_per_key,
+            key_tokens_per_s: args.max_tokens_per_second_per_key,
             batch_node_budget: args.batch_nodes,
             idle_timeout: Duration::from_secs(args.idle_timeout_s),
             detach_grace: Duration::from_secs(args.grace_s),
@@ -373,6 +394,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 tracing::info!(
                     ordinal,
                     weight_bytes = gpu.weight_bytes(),
+                    kernels = gpu.runtime(),
                     "model on the GPU"
                 );
                 service::start(Arc::new(gpu), &identity, args.listen, cfg)?
