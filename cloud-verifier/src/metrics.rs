@@ -97,6 +97,8 @@ pub struct Metrics {
     pub connections: AtomicU64,
     /// Connections refused before their handshake: over the per-address or total limit.
     pub connections_refused: AtomicU64,
+    /// Connections asked to prove their address (a QUIC Retry) because many were open.
+    pub connections_retried: AtomicU64,
     pub sessions_active: AtomicU64,
     pub sessions_opened: AtomicU64,
     pub rounds: AtomicU64,
@@ -147,6 +149,7 @@ impl Default for Metrics {
         Metrics {
             connections: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
+            connections_retried: AtomicU64::new(0),
             sessions_active: AtomicU64::new(0),
             sessions_opened: AtomicU64::new(0),
             rounds: AtomicU64::new(0),
@@ -251,6 +254,13 @@ impl Metrics {
             "counter",
             "Connections refused before their handshake (over the per-address or total limit).",
             &self.connections_refused,
+        );
+        counter(
+            &mut out,
+            "specinfer_connections_retried_total",
+            "counter",
+            "Connections asked to prove their address with a QUIC Retry (many were open).",
+            &self.connections_retried,
         );
         counter(
             &mut out,

@@ -102,6 +102,9 @@ fn admit(ctx: &Arc<Ctx>, incoming: quinn::Incoming) -> Option<(quinn::Incoming, 
     if open.total >= limits.retry_above && !incoming.remote_address_validated() {
         drop(open);
         if incoming.may_retry() {
+            ctx.metrics
+                .connections_retried
+                .fetch_add(1, Ordering::Relaxed);
             let _ = incoming.retry();
         } else {
             incoming.refuse();

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use specinfer_integration::{chat_ids, raw_connection, service_config, smollm2, API_KEY};
 use specinfer_net::{read_frame, write_frame, Remote, RemoteConfig, RemoteError, FRAME_DEADLINE};
 use specinfer_verifier::engine::{key_id, EngineConfig};
+use specinfer_verifier::metrics::Metrics;
 use specinfer_verifier::service::{self, ConnectionLimits, RunningVerifier, ServiceConfig};
 use specinfer_wire::*;
 
@@ -26,6 +27,8 @@ const ATTACKER_KEY: &str = "attacker";
 /// it and not on the healthy client at 127.0.0.1.
 const ATTACKER_BIND: &str = "127.0.0.2:0";
 const PER_ADDRESS: usize = 8;
+/// Open connections beyond which new ones must first prove their address (a QUIC Retry).
+const RETRY_ABOVE: usize = 8;
 const SESSIONS_PER_KEY: usize = 4;
 /// Tokens a key may have the LLM run each second.
 const KEY_RATE: f64 = 128.0;
@@ -42,6 +45,7 @@ fn start() -> (RunningVerifier, RemoteConfig) {
         hello_timeout: HELLO_TIMEOUT,
         connections: ConnectionLimits {
             per_address: PER_ADDRESS,
+            retry_above: RETRY_ABOVE,
             ..Default::default()
         },
         ..service_config(EngineConfig {
@@ -141,12 +145,12 @@ async fn until(stop: &AtomicBool) {
     }
 }
 
-type Attack = fn(RemoteConfig, Arc<AtomicBool>) -> tokio::task::JoinHandle<String>;
+type Attack = fn(RemoteConfig, Arc<AtomicBool>, Arc<Metrics>) -> tokio::task::JoinHandle<String>;
 
 /// The attacks, each returning what shows it was refused or capped (after asserting it).
 fn attacks() -> Vec<(&'static str, Attack)> {
     vec![
-        ("connection flood from one address", |remote, stop| {
+        ("connection flood from one address", |remote, stop, _| {
             tokio::spawn(async move {
                 let mut held = Vec::new();
                 let mut refused = 0;
@@ -168,46 +172,87 @@ fn attacks() -> Vec<(&'static str, Attack)> {
                 )
             })
         }),
-        ("bytes on many streams before the hello", |remote, stop| {
-            tokio::spawn(async move {
-                let (_ep, conn) = raw(&remote).await.unwrap();
-                let opened = Instant::now();
-                let chunk = vec![0u8; 64 << 10];
-                let mut written = 0usize;
-                let mut streams = Vec::new();
-                for _ in 0..16 {
-                    // Streams beyond what the verifier grants before a hello never open.
-                    match tokio::time::timeout(Duration::from_millis(200), conn.open_bi()).await {
-                        Ok(Ok(s)) => streams.push(s),
-                        _ => break,
-                    }
-                }
-                // Each stream is offered 2 MiB; flow control takes what the verifier buffers.
-                'fill: for (send, _) in &mut streams {
-                    for _ in 0..32 {
-                        match tokio::time::timeout(Duration::from_millis(50), send.write(&chunk))
-                            .await
-                        {
-                            Ok(Ok(n)) => written += n,
-                            _ => continue 'fill,
+        (
+            "a connection flood from many addresses",
+            |remote, stop, metrics| {
+                tokio::spawn(async move {
+                    // Eight addresses of their own, each within its per-address share: past the
+                    // first few open connections every new one must answer a Retry first, so a
+                    // spoofed address cannot hold a connection at all.
+                    let before = metrics.connections_retried.load(Ordering::Relaxed);
+                    let mut held = Vec::new();
+                    for host in 3..11u8 {
+                        for _ in 0..PER_ADDRESS {
+                            let bind = format!("127.0.0.{host}:0");
+                            if let Ok(c) = raw_connection(&remote, &bind).await {
+                                held.push(c);
+                            }
                         }
                     }
-                }
-                assert!(
-                    written <= 9 << 20,
-                    "{written} bytes buffered before a hello"
-                );
-                let closed = tokio::time::timeout(HELLO_TIMEOUT * 3, conn.closed()).await;
-                assert!(closed.is_ok(), "a connection without a hello stayed open");
-                until(&stop).await;
-                format!(
-                    "{:.1} MiB of 32 MiB taken before the hello, closed after {:.1} s",
-                    written as f64 / (1 << 20) as f64,
-                    opened.elapsed().as_secs_f64()
+                    let retried = metrics.connections_retried.load(Ordering::Relaxed) - before;
+                    assert!(
+                        retried as usize >= held.len() - RETRY_ABOVE,
+                        "{retried} Retries for {} connections",
+                        held.len()
+                    );
+                    until(&stop).await;
+                    for (_, c) in &held {
+                        c.close(0u32.into(), b"");
+                    }
+                    format!(
+                    "{} connections from 8 addresses, {retried} of them made to answer a Retry first",
+                    held.len()
                 )
-            })
-        }),
-        ("a 4 MiB first frame, again and again", |remote, stop| {
+                })
+            },
+        ),
+        (
+            "bytes on many streams before the hello",
+            |remote, stop, _| {
+                tokio::spawn(async move {
+                    let (_ep, conn) = raw(&remote).await.unwrap();
+                    let opened = Instant::now();
+                    let chunk = vec![0u8; 64 << 10];
+                    let mut written = 0usize;
+                    let mut streams = Vec::new();
+                    for _ in 0..16 {
+                        // Streams beyond what the verifier grants before a hello never open.
+                        match tokio::time::timeout(Duration::from_millis(200), conn.open_bi()).await
+                        {
+                            Ok(Ok(s)) => streams.push(s),
+                            _ => break,
+                        }
+                    }
+                    // Each stream is offered 2 MiB; flow control takes what the verifier buffers.
+                    'fill: for (send, _) in &mut streams {
+                        for _ in 0..32 {
+                            match tokio::time::timeout(
+                                Duration::from_millis(50),
+                                send.write(&chunk),
+                            )
+                            .await
+                            {
+                                Ok(Ok(n)) => written += n,
+                                _ => continue 'fill,
+                            }
+                        }
+                    }
+                    assert!(
+                        written <= 9 << 20,
+                        "{written} bytes buffered before a hello"
+                    );
+                    let closed = tokio::time::timeout(HELLO_TIMEOUT * 3, conn.closed()).await;
+                    assert!(closed.is_ok(), "a connection without a hello stayed open");
+                    until(&stop).await;
+                    format!(
+                        "{:.1} MiB of 32 MiB taken before the hello, closed after {:.1} s",
+                        written as f64 / (1 << 20) as f64,
+                        opened.elapsed().as_secs_f64()
+                    )
+                })
+            },
+        ),
+        ("a 4 MiB first frame, again and again", |remote, stop, _| {
             tokio::spawn(async move {
                 let mut refused = 0;
                 for _ in 0..6 {
@@ -225,7 +270,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
         }),
         (
             "frames that never finish, before and after the hello",
-            |remote, stop| {
+            |remote, stop, _| {
                 tokio::spawn(async move {
                     let started = Instant::now();
                     // Before: a hello announced and never sent whole.
@@ -253,7 +298,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
                 })
             },
         ),
-        ("one key opening every session it can", |remote, stop| {
+        ("one key opening every session it can", |remote, stop, _| {
             tokio::spawn(async move {
                 let conn = Remote::connect(&attacker(&remote)).await.unwrap();
                 let prompt = chat_ids("Hi");
@@ -283,7 +328,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
         }),
         (
             "one key flooding the engine with the largest trees",
-            |remote, stop| {
+            |remote, stop, _| {
                 tokio::spawn(async move {
                     let conn = Remote::connect(&attacker(&remote)).await.unwrap();
                     let prompt = chat_ids("Write a long story.");
@@ -335,7 +380,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
                 })
             },
         ),
-        ("malformed and oversized frames", |remote, stop| {
+        ("malformed and oversized frames", |remote, stop, _| {
             tokio::spawn(async move {
                 let (_ep, conn) = raw_hello(&remote).await;
                 let too_many_proposals: TokenTree = serde_json::from_value(serde_json::json!({
@@ -380,7 +425,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
                 format!("{refused} bad frames, each answered with a typed error")
             })
         }),
-        ("guessed and stolen resume tokens", |remote, stop| {
+        ("guessed and stolen resume tokens", |remote, stop, _| {
             tokio::spawn(async move {
                 // A victim of the healthy key loses its connection: its session waits, detached.
                 let victim = Remote::connect(&remote).await.unwrap();
@@ -416,7 +461,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
         }),
         (
             "a session asking for more KV than exists",
-            |remote, stop| {
+            |remote, stop, _| {
                 tokio::spawn(async move {
                     let conn = Remote::connect(&attacker(&remote)).await.unwrap();
                     let mut refused = 0;
@@ -445,7 +490,7 @@ fn attacks() -> Vec<(&'static str, Attack)> {
         ),
         (
             "failing requests meant to keep a session alive",
-            |remote, stop| {
+            |remote, stop, _| {
                 tokio::spawn(async move {
                     let (_ep, conn) = raw_hello(&remote).await;
                     let (mut send, mut recv) = conn.open_bi().await.unwrap();
@@ -502,7 +547,7 @@ async fn every_attack_is_capped_and_a_healthy_session_beside_it_keeps_its_output
     for (i, (name, attack)) in attacks().into_iter().enumerate() {
         let alone = healthy_answer(&remote, 2000 + i as u64).await;
         let stop = Arc::new(AtomicBool::new(false));
-        let attack = attack(remote.clone(), stop.clone());
+        let attack = attack(remote.clone(), stop.clone(), server.metrics().clone());
         // Give the attack time to be in force before the healthy session starts.
         tokio::time::sleep(Duration::from_millis(300)).await;
         let beside = healthy_answer(&remote, 3000 + i as u64).await;
