@@ -106,6 +106,15 @@ impl EngineError {
         )
     }
 
+    /// The engine has ended (a drained verifier exiting): the client takes the session to
+    /// another verifier, as it does from a draining one.
+    fn gone() -> Self {
+        EngineError::new(
+            ErrorCode::Draining,
+            "this verifier is shutting down: open the session on another one",
+        )
+    }
+
     fn busy(message: impl Into<String>) -> Self {
         EngineError {
             code: ErrorCode::Busy,
@@ -181,9 +190,7 @@ impl EngineHandle {
     fn send(&self, r: Request) -> Result<(), EngineError> {
         self.tx.try_send(r).map_err(|e| match e {
             TrySendError::Full(_) => EngineError::busy("verifier queue is full"),
-            TrySendError::Disconnected(_) => {
-                EngineError::new(ErrorCode::Internal, "verifier is shutting down")
-            }
+            TrySendError::Disconnected(_) => EngineError::gone(),
         })
     }
 
@@ -193,8 +200,7 @@ impl EngineHandle {
     ) -> Result<T, EngineError> {
         let (tx, rx) = oneshot::channel();
         self.send(make(tx))?;
-        rx.await
-            .unwrap_or_else(|_| Err(EngineError::new(ErrorCode::Internal, "verifier stopped")))
+        rx.await.unwrap_or_else(|_| Err(EngineError::gone()))
     }
 
     /// Opens a session for a connection whose key is `owner`.
