@@ -902,8 +902,10 @@ impl<M: TreeModel> Engine<M> {
         let mut oldest_prefill: HashMap<KeyId, Instant> = HashMap::new();
         for e in self.sessions.values() {
             if let (Some((_, since)), true) = (&e.opening, self.rates.limits(&e.owner)) {
-                let t = oldest_prefill.entry(e.owner).or_insert(*since);
-                *t = (*t).min(*since);
+                oldest_prefill
+                    .entry(e.owner)
+                    .and_modify(|t| *t = (*t).min(*since))
+                    .or_insert(*since);
             }
         }
         while let Some(p) = self.next_fairly(&mut waiting) {
@@ -980,12 +982,6 @@ impl<M: TreeModel> Engine<M> {
             left = left.saturating_sub(take);
             if left == 0 {
                 break;
-            }
-        }
-        // Work the engine holds back is not the client's idleness: its sessions stay.
-        for id in &held.ids {
-            if let Some(e) = self.sessions.get_mut(id) {
-                e.last_used = now;
             }
         }
         self.metrics
@@ -1173,11 +1169,15 @@ impl<M: TreeModel> Engine<M> {
 
     fn evict(&mut self) {
         let now = Instant::now();
+        // A session whose work waits in the engine (a queued round, a prompt being prefilled,
+        // work held to its key's rate) is not idle, however long it waits.
         let expired: Vec<SessionId> = self
             .sessions
             .iter()
-            .filter(|(_, e)| {
-                now.duration_since(e.last_used) > self.cfg.idle_timeout
+            .filter(|(id, e)| {
+                (now.duration_since(e.last_used) > self.cfg.idle_timeout
+                    && e.opening.is_none()
+                    && !self.pending.iter().any(|p| p.id == **id))
                     || e.detached_at
                         .is_some_and(|t| now.duration_since(t) > self.cfg.detach_grace)
             })
