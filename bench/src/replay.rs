@@ -170,6 +170,7 @@ impl MeasuredCosts {
             RoundObservation {
                 tree_depth: 0,
                 tree_nodes: v.stats.tree_nodes as usize,
+                drafted_nodes: v.stats.tree_nodes as usize,
                 accepted: v.accepted_nodes.len(),
                 draft_s: 0.0,
                 round_s,

@@ -36,6 +36,7 @@ impl DraftedPart {
         RoundObservation {
             tree_depth: self.depth,
             tree_nodes,
+            drafted_nodes: self.nodes,
             accepted: accepted_nodes
                 .iter()
                 .take_while(|&&n| (n as usize) < self.nodes)
@@ -53,6 +54,8 @@ pub struct RoundObservation {
     /// Depth of the tree sent (0 for a root-only tree).
     pub tree_depth: usize,
     pub tree_nodes: usize,
+    /// Nodes of the tree the draft model proposed, the root included (they come first).
+    pub drafted_nodes: usize,
     /// Drafted tokens the verifier accepted (the accepted path's length).
     pub accepted: usize,
     /// Seconds spent drafting the tree.

@@ -2,6 +2,7 @@
 //! its proposals into a token tree. No I/O, no async, no ONNX Runtime: the native client
 //! (`specinfer-edge`) and the browser build (`specinfer-wasm`) both use it as is.
 
+mod acceptance;
 pub mod controller;
 pub mod draft;
 mod dynamic;

@@ -187,6 +187,7 @@ impl AdaptiveLookup {
             RoundObservation {
                 tree_depth: chain.len(),
                 tree_nodes,
+                drafted_nodes: chain.len() + 1,
                 accepted,
                 draft_s: 0.0,
                 round_s,

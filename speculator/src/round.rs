@@ -389,7 +389,7 @@ impl<'a> RoundDriver<'a> {
         }
         if let Some(d) = &mut self.drafter {
             d.speculator.set_node_price(node_price);
-            d.speculator.observe(observed);
+            d.speculator.observe(observed, &v.accepted_nodes);
             if let Some(f) = &v.features {
                 let rows = f.dequantize();
                 for m in &mut d.drafts {

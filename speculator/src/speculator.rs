@@ -7,6 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use specinfer_model::ModelError;
 use specinfer_wire::TokenTree;
 
+use crate::acceptance::{DrawAcceptance, SentDraws};
 use crate::controller::{Calibration, DraftAttempts};
 use crate::dynamic::{dynamic_tree, DrawnTokens, Growth, LikeliestTokens};
 use crate::expansion::expand_tree;
@@ -25,6 +26,10 @@ pub struct Speculator {
     calibration: Calibration,
     /// Adaptive dynamic trees: what trying to draft has been worth.
     attempts: DraftAttempts,
+    /// Sampled dynamic trees: how often each kind of draw has been accepted...
+    acceptance: DrawAcceptance,
+    /// ...and the draws of the last tree drafted for sending, until its round is observed.
+    draws: Option<SentDraws>,
 }
 
 /// What went into a drafted tree, for learning from its round.
@@ -64,14 +69,22 @@ impl Speculator {
             drafted: None,
             calibration: Calibration::default(),
             attempts: DraftAttempts::default(),
+            acceptance: DrawAcceptance::default(),
+            draws: None,
         }
     }
 
     /// Feeds what the round of the last drafted tree measured to the adaptive controllers. A
     /// round whose tree did not come from [`Speculator::draft`] (a root sent without drafting,
-    /// or a tree drafted ahead) counts as costing no draft forwards.
-    pub fn observe(&mut self, round: RoundObservation) {
+    /// or a tree drafted ahead) counts as costing no draft forwards. `accepted_nodes` is the
+    /// verdict's accepted path (root to leaf).
+    pub fn observe(&mut self, round: RoundObservation, accepted_nodes: &[u32]) {
         let drafted = self.drafted.take().unwrap_or_default();
+        if let Some(mut draws) = self.draws.take() {
+            // Nodes past the drafted part sent (a busy verifier's cap cut them) were not tried.
+            draws.nodes.truncate(round.drafted_nodes.saturating_sub(1));
+            self.acceptance.observe(&draws, accepted_nodes);
+        }
         let forwards = match self.shape {
             TreeShape::Dynamic { .. } | TreeShape::AdaptiveDynamic { .. } => {
                 if round.tree_depth > 0 {
@@ -149,6 +162,7 @@ impl Speculator {
         committed: &[u32],
         rng: &mut ChaCha8Rng,
     ) -> Result<TokenTree, ModelError> {
+        self.draws = None;
         if !self.drafts_next() {
             return Ok(TokenTree::root(
                 *committed.last().expect("committed tokens are never empty"),
@@ -201,10 +215,13 @@ impl Speculator {
                 top_k,
                 draw,
             } => {
-                let mut frontier = DrawnTokens::new(temperature, top_p, top_k, draw, rng);
+                let mut frontier =
+                    DrawnTokens::new(temperature, top_p, top_k, draw, rng, &self.acceptance);
                 let (tree, drafted) =
                     dynamic_tree(model, committed, budget, growth, &mut frontier)?;
-                Ok((frontier.attach(tree), drafted))
+                let (tree, draws) = frontier.attach(tree);
+                self.draws = Some(draws);
+                Ok((tree, drafted))
             }
         }
     }
@@ -255,9 +272,9 @@ impl Speculator {
             .0;
         guess.push(bonus as u32);
         // The round observed next is the one of the tree already sent.
-        let sent = self.drafted.take();
+        let sent = (self.drafted.take(), self.draws.take());
         let tree = self.draft(model, &guess);
-        self.drafted = sent;
+        (self.drafted, self.draws) = sent;
         Ok((guess, tree?))
     }
 
@@ -273,6 +290,8 @@ impl Speculator {
         for m in models.iter_mut() {
             trees.push(self.draft_with(m, committed, &mut rng)?);
         }
+        // Merging renumbers the nodes: the draws are not learned from.
+        self.draws = None;
         Ok(merge_trees(&trees))
     }
 }

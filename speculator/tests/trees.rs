@@ -150,6 +150,7 @@ fn round(
     specinfer_speculator::RoundObservation {
         tree_depth: depth,
         tree_nodes: depth + 1,
+        drafted_nodes: depth + 1,
         accepted: good.min(depth),
         draft_s: per_level * depth as f64,
         round_s: fixed + per_node * (depth + 1) as f64,
@@ -214,6 +215,7 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
             specinfer_speculator::RoundObservation {
                 tree_depth: depth,
                 tree_nodes: depth + 1,
+                drafted_nodes: depth + 1,
                 accepted,
                 draft_s: 0.0005 * depth as f64,
                 round_s: 0.004 + 0.0003 * depth as f64,
@@ -274,13 +276,10 @@ fn plain_rounds_do_not_draft(shape: TreeShape) {
             0.0
         };
         let forward_s = 0.05 * tree.len() as f64;
-        s.observe(DraftedPart::of(&tree).observation(
-            tree.len(),
+        s.observe(
+            DraftedPart::of(&tree).observation(tree.len(), &[], draft_s, forward_s, forward_s),
             &[],
-            draft_s,
-            forward_s,
-            forward_s,
-        ));
+        );
         (drafting, tree.len(), model.calls - before)
     };
     let (first, _, _) = round_of(&mut s, &mut model);
@@ -351,13 +350,17 @@ fn adaptive_dynamic_nodes(good: usize, fixed: f64, per_node: f64, per_forward: f
         } else {
             0.0
         };
-        s.observe(DraftedPart::of(&tree).observation(
-            tree.len(),
-            &best_path(&tree, good),
-            draft,
-            fixed + forward,
-            forward,
-        ));
+        let accepted = best_path(&tree, good);
+        s.observe(
+            DraftedPart::of(&tree).observation(
+                tree.len(),
+                &accepted,
+                draft,
+                fixed + forward,
+                forward,
+            ),
+            &accepted,
+        );
     }
     nodes as f64 / rounds as f64
 }
@@ -399,5 +402,38 @@ fn tree_shapes_print_as_they_parse() {
     assert_eq!(
         TreeShape::clients_default().uncut(),
         TreeShape::Dynamic { budget: 32 }
+    );
+}
+
+/// Depth and root children of the sampled dynamic tree `s` drafts after `context`.
+fn depth_and_width(s: &mut Speculator, context: &[u32]) -> (u32, usize) {
+    let t = s.draft(&mut Toy, context).unwrap();
+    let depth = t.depths().into_iter().max().unwrap_or(0);
+    (depth, t.children()[0].len())
+}
+
+#[test]
+fn sampled_dynamic_trees_learn_which_draws_the_verifier_accepts() {
+    let shape = TreeShape::Dynamic { budget: 16 };
+    let mode = DraftMode::sampled(1.0, 1.0);
+    let context = [1, 2, 3];
+    let (fresh_depth, fresh_width) = depth_and_width(
+        &mut Speculator::with_shape(shape.clone(), mode, 7),
+        &context,
+    );
+    // Verdicts that accept every node's first draw, to the leaf, and nothing else.
+    let mut s = Speculator::with_shape(shape, mode, 7);
+    for i in 0..60u32 {
+        let tree = s.draft(&mut Toy, &[1, 2, 4 + i % 30]).unwrap();
+        let accepted = best_path(&tree, usize::MAX);
+        s.observe(
+            DraftedPart::of(&tree).observation(tree.len(), &accepted, 0.001, 0.01, 0.005),
+            &accepted,
+        );
+    }
+    let (depth, width) = depth_and_width(&mut s, &context);
+    assert!(
+        depth > fresh_depth && width < fresh_width,
+        "first draws always accepted: depth {fresh_depth} -> {depth}, root children {fresh_width} -> {width}"
     );
 }
