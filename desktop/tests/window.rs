@@ -107,8 +107,11 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
             .spawn()
             .unwrap(),
     );
-    let socket = PathBuf::from(format!("/tmp/.X11-unix/X{number}"));
-    wait_for("Xvfb", Duration::from_secs(20), || socket.exists());
+    // Ready when a client gets an answer from it: its socket appears before it serves (a CI
+    // run on a loaded machine started the app in between, and the app could not connect).
+    wait_for("Xvfb", Duration::from_secs(20), || {
+        xdotool(&display, &["getdisplaygeometry"]).is_some()
+    });
 
     let exe = desktop_exe();
     assert!(exe.exists(), "{} is missing", exe.display());
