@@ -2,7 +2,7 @@
 # The CUDA engine's checks on a machine with an NVIDIA GPU (a few minutes): GPU vs CPU logits on
 # SmolLM2, greedy speculative == incremental on the GPU, latency vs tree size and batch, decode
 # time vs the weights' read time, then the verifier service on cuda:0 over loopback QUIC. Needs
-# the NVIDIA driver, NVRTC and cuBLAS (the system's, or PyPI wheels' folders in LD_LIBRARY_PATH).
+# the NVIDIA driver and NVRTC (the system's, or a PyPI wheel's folder in LD_LIBRARY_PATH).
 # It builds the binaries itself (`--build` only builds them), or takes them from
 # SPECINFER_GPU_BIN (a folder with gpu_check, specinfer-verifier and specinfer: how
 # scripts/gpu-bundle.sh ships them to a machine without Rust).

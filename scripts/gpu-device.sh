@@ -17,7 +17,7 @@ export SPECINFER_CACHE=$stage/cache
 mkdir -p "$SPECINFER_CACHE"
 cat "$stage/model.0" "$stage/model.1" >"$SPECINFER_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf"
 tar -C "$stage" -xJf "$stage/bin.tar.xz"
-# The binaries choose NVRTC and cuBLAS themselves: the newest the driver supports, from the CUDA
+# The binaries choose NVRTC themselves: the newest the driver supports, from the CUDA
 # toolkits, the loader's path and PyPI wheels (specinfer_kernels::cuda_libs; they say which).
 # The driver: where the container runtime puts it, if not on the loader's default path.
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/nvidia/lib64"

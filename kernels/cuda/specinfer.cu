@@ -2,8 +2,9 @@
 //
 // Layouts are the CPU engine's: activations row-major [rows, dim]; each sequence's KV cache per
 // layer position-major [position, kv_heads * head_dim], its committed positions first, then the
-// current tree's nodes in tree order (the scratch region). Projections go through cuBLAS; these
-// kernels are everything between them.
+// current tree's nodes in tree order (the scratch region). Everything runs in these kernels, the
+// projections included: no cuBLAS, whose choice of algorithm by problem size (split-K, tiles)
+// would make a row's result depend on the rows batched with it.
 
 typedef unsigned long long u64;
 
@@ -35,6 +36,56 @@ extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, 
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)r * d + i] = xr[i] * scale * w[i];
 }
 
+// Projections: y[r, c] = sum_k x[r, k] * w[c, k] (+ b[c]) for rows x [rows, in], weights
+// row-major [out, in] as f32 or bf16 (converted exactly to f32 on load), accumulated in f32.
+// Batch invariant: each output is summed in one fixed order whatever the number of rows or a
+// row's place among them (lane l of a warp adds k = l, l + 32, ... with fused multiply-adds, then
+// a fixed xor butterfly), so greedy speculation stays token-identical to incremental decoding
+// and a session's output does not depend on what it was batched with. One warp per (column,
+// tile of LINEAR_ROWS rows): each weight row is read once per tile. Block: 128 threads.
+// `specinfer_kernels::projection::warp_linear` is this loop on the CPU, bit for bit.
+#define LINEAR_ROWS 8
+
+__device__ __forceinline__ float weight_f32(float w) { return w; }
+__device__ __forceinline__ float weight_f32(unsigned short w) {
+    return __uint_as_float((unsigned)w << 16);
+}
+
+template <typename W>
+__device__ void linear_rows(float* y, const float* x, const W* w, const float* b, int rows,
+                            int out, int in) {
+    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    const int tiles = (rows + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    if (warp >= (long long)out * tiles) return;
+    const int c = (int)(warp % out), r0 = (int)(warp / out) * LINEAR_ROWS;
+    const int n = min(LINEAR_ROWS, rows - r0);
+    const W* wc = w + (size_t)c * in;
+    const float* xr = x + (size_t)r0 * in;
+    float acc[LINEAR_ROWS];
+    for (int j = 0; j < LINEAR_ROWS; j++) acc[j] = 0.0f;
+    for (int k = lane; k < in; k += 32) {
+        const float wv = weight_f32(wc[k]);
+        for (int j = 0; j < LINEAR_ROWS; j++)
+            if (j < n) acc[j] = fmaf(xr[(size_t)j * in + k], wv, acc[j]);
+    }
+    for (int j = 0; j < LINEAR_ROWS; j++) {
+        float s = acc[j];
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0 && j < n) y[(size_t)(r0 + j) * out + c] = b ? s + b[c] : s;
+    }
+}
+
+extern "C" __global__ void linear_f32(float* y, const float* x, const float* w, const float* b,
+                                      int rows, int out, int in) {
+    linear_rows(y, x, w, b, rows, out, in);
+}
+
+extern "C" __global__ void linear_bf16(float* y, const float* x, const unsigned short* w,
+                                       const float* b, int rows, int out, int in) {
+    linear_rows(y, x, w, b, rows, out, in);
+}
+
 // Rotary position embedding in place; x is [rows, heads, head_dim]. Pairs are (2i, 2i+1) when
 // `interleaved` (GGUF llama), else (i, i + head_dim/2). Angles in double, as on the CPU.
 extern "C" __global__ void rope(float* x, const int* positions, int heads, int head_dim, float theta,
@@ -62,12 +113,6 @@ extern "C" __global__ void silu_mul(float* g, const float* u, u64 n) {
     }
 }
 
-// y[r, c] += b[c] (projection bias), elementwise over n = rows * cols.
-extern "C" __global__ void add_bias(float* y, const float* b, u64 n, int cols) {
-    const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] += b[i % cols];
-}
-
 // x += y (residual), elementwise.
 extern "C" __global__ void add_into(float* x, const float* y, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -80,6 +125,22 @@ extern "C" __global__ void gather_rows(float* dst, const float* src, const int* 
     const int i = blockIdx.x;
     for (int c = threadIdx.x; c < row; c += blockDim.x)
         dst[(size_t)i * row + c] = src[(size_t)idx[i] * row + c];
+}
+
+// The new nodes' K/V rows into their caches: node n's row goes to position committed[n] +
+// node_in_tree[n] of the layer cache at k_base[n] / v_base[n] (the scratch region, behind the
+// committed positions). One block per node; k and v are [nodes, row].
+extern "C" __global__ void store_kv(const u64* k_base, const u64* v_base, const int* committed,
+                                    const int* node_in_tree, const float* k, const float* v,
+                                    int row) {
+    const int n = blockIdx.x;
+    const size_t at = (size_t)(committed[n] + node_in_tree[n]) * row;
+    float* K = (float*)k_base[n] + at;
+    float* V = (float*)v_base[n] + at;
+    for (int c = threadIdx.x; c < row; c += blockDim.x) {
+        K[c] = k[(size_t)n * row + c];
+        V[c] = v[(size_t)n * row + c];
+    }
 }
 
 // Fused tree attention for every node of every sequence in a batch, one warp per (node, head),

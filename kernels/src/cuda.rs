@@ -17,10 +17,12 @@ pub const KERNELS: &[&str] = &[
     "embed_rows",
     "rms_norm",
     "rope",
+    "linear_f32",
+    "linear_bf16",
     "silu_mul",
-    "add_bias",
     "add_into",
     "gather_rows",
+    "store_kv",
     "tree_attention",
     "softmax_top_p",
 ];

@@ -1,12 +1,12 @@
-//! Which NVRTC and cuBLAS a GPU process loads: the newest ones this machine's driver can run.
+//! Which NVRTC a GPU process loads: the newest one this machine's driver can run.
 //!
 //! cudarc (built for CUDA 12.8 with dynamic loading) opens `libnvrtc.so`, then `libnvrtc.so.12`,
 //! `.11`, ... by name, never `.so.13`: on a CUDA 13 machine it finds nothing, and where several
 //! toolkits are installed it takes whichever the loader finds first, possibly an NVRTC newer than
 //! the driver, whose PTX the driver then refuses. [`prepare`] (feature `cuda`) reads the driver's
-//! CUDA version (`cuDriverGetVersion`), finds every NVRTC and cuBLAS on the machine (CUDA
-//! toolkits, the loader's path, PyPI wheels, `SPECINFER_CUDA_LIB_DIRS`), picks the newest of each
-//! that the driver supports ([`choose`]), links them under the names cudarc opens in a private
+//! CUDA version (`cuDriverGetVersion`), finds every NVRTC on the machine (CUDA toolkits, the
+//! loader's path, PyPI wheels, `SPECINFER_CUDA_LIB_DIRS`), picks the newest that the driver
+//! supports ([`choose`]), links it under the name cudarc opens in a private
 //! folder, and re-executes the process with that folder first on `LD_LIBRARY_PATH` (the loader
 //! reads it only when a process starts). The kernels are compiled to CUBIN for the device's exact
 //! architecture as well (`cuda::compile_cubin`), which a driver loads whatever minor version of
@@ -108,8 +108,8 @@ pub fn choose(driver: CudaVersion, found: &[Found]) -> Option<&Found> {
 
 /// Folders where CUDA's libraries live on Linux machines: `extra` (an operator's own), the
 /// loader's path, CUDA toolkits, the distribution's library folders, and PyPI wheels
-/// (`nvidia/*/lib` in site-packages, the layout of `nvidia-cuda-nvrtc-cu12`, `nvidia-cublas-cu12`
-/// and the CUDA 13 wheels).
+/// (`nvidia/*/lib` in site-packages, the layout of `nvidia-cuda-nvrtc-cu12` and the CUDA 13
+/// wheels).
 pub fn search_dirs(extra: &[PathBuf]) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = extra.to_vec();
     if let Some(p) = std::env::var_os("LD_LIBRARY_PATH") {
@@ -169,19 +169,16 @@ pub fn search_dirs(extra: &[PathBuf]) -> Vec<PathBuf> {
 pub struct Chosen {
     pub driver: CudaVersion,
     pub nvrtc: Found,
-    pub cublas: Found,
 }
 
 impl std::fmt::Display for Chosen {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "driver supports CUDA {}; NVRTC {} ({}); cuBLAS {} ({})",
+            "driver supports CUDA {}; NVRTC {} ({})",
             self.driver,
             self.nvrtc.version,
-            self.nvrtc.path.display(),
-            self.cublas.version,
-            self.cublas.path.display()
+            self.nvrtc.path.display()
         )
     }
 }
@@ -225,8 +222,8 @@ pub fn driver_version() -> Result<CudaVersion, String> {
     }
 }
 
-/// Makes this process load the NVRTC and cuBLAS the driver supports (see the module doc): when
-/// the loader's path does not start with the folder of links to them, sets it and re-executes
+/// Makes this process load the NVRTC the driver supports (see the module doc): when the
+/// loader's path does not start with the folder of the link to it, sets it and re-executes
 /// the program with the same arguments (so it does not return); otherwise returns what was
 /// chosen. Call it before anything touches CUDA.
 #[cfg(feature = "cuda")]
@@ -255,7 +252,6 @@ pub fn prepare() -> Result<Chosen, String> {
     let chosen = Chosen {
         driver,
         nvrtc: pick("nvrtc", "nvidia-cuda-nvrtc")?,
-        cublas: pick("cublas", "nvidia-cublas")?,
     };
     // A folder of this user's own (a shared /tmp would let another user plant libraries),
     // named by what it links to, so every process with the same choice shares it.
@@ -266,7 +262,7 @@ pub fn prepare() -> Result<Chosen, String> {
     let hash = {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (&chosen.nvrtc.path, &chosen.cublas.path).hash(&mut h);
+        chosen.nvrtc.path.hash(&mut h);
         h.finish()
     };
     let links = base.join(format!("cuda-libs-{}-{hash:016x}", chosen.driver));
@@ -277,22 +273,15 @@ pub fn prepare() -> Result<Chosen, String> {
         return Ok(chosen);
     }
     std::fs::create_dir_all(&links).map_err(|e| format!("{}: {e}", links.display()))?;
-    for (name, found) in [
-        ("libnvrtc.so", &chosen.nvrtc),
-        ("libcublas.so", &chosen.cublas),
-    ] {
-        let link = links.join(name);
-        if std::fs::read_link(&link).ok().as_deref() != Some(found.path.as_path()) {
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(&found.path, &link)
-                .map_err(|e| format!("linking {}: {e}", link.display()))?;
-        }
+    let link = links.join("libnvrtc.so");
+    if std::fs::read_link(&link).ok().as_deref() != Some(chosen.nvrtc.path.as_path()) {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&chosen.nvrtc.path, &link)
+            .map_err(|e| format!("linking {}: {e}", link.display()))?;
     }
-    // The chosen libraries' own folders follow, for what they open beside them (NVRTC's
-    // builtins, cuBLAS's cublasLt).
+    // The chosen library's own folder follows, for what it opens beside it (its builtins).
     let mut path = vec![links.clone()];
     path.extend(chosen.nvrtc.path.parent().map(Path::to_path_buf));
-    path.extend(chosen.cublas.path.parent().map(Path::to_path_buf));
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
         path.extend(std::env::split_paths(&old));
     }

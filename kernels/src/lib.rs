@@ -9,6 +9,7 @@ mod attention;
 pub mod cuda;
 pub mod cuda_libs;
 mod lanes;
+pub mod projection;
 pub mod quant;
 pub mod sampling;
 

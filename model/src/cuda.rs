@@ -1,7 +1,11 @@
 //! The GPU engine (feature `cuda`): the same transformer and tree-masked forward as [`Llama`], on
-//! an NVIDIA GPU through cudarc. Weights are uploaded once as f32 (dequantized), projections run
-//! on cuBLAS, everything between them in specinfer's NVRTC-compiled kernels
-//! (`kernels/cuda/specinfer.cu`), attention for all nodes of all sequences in one launch. One
+//! an NVIDIA GPU through cudarc. Weights are uploaded once, as bf16 (half the bytes a decode step
+//! reads) or f32 ([`WeightFormat`]); everything runs in specinfer's NVRTC-compiled kernels
+//! (`kernels/cuda/specinfer.cu`), attention for all nodes of all sequences in one launch. The
+//! projections are a kernel of our own rather than cuBLAS: each output is summed in one fixed
+//! order whatever the batch (see `specinfer_kernels::projection`), so, as on the CPU engine,
+//! greedy speculation is token-identical to incremental decoding and a session's output does not
+//! depend on the sessions batched with it. One
 //! forward per round, as on the CPU; each sequence's KV cache lives on the device with the same
 //! committed-then-scratch layout and compaction.
 //!
@@ -10,14 +14,13 @@
 
 use std::sync::Arc;
 
-use specinfer_kernels::cuda::cudarc::cublas::sys::cublasOperation_t;
-use specinfer_kernels::cuda::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use specinfer_kernels::cuda::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use specinfer_kernels::cuda::cudarc::nvrtc::Ptx;
 use specinfer_kernels::cuda::{compile_cubin, compile_ptx, nvrtc_version};
 use specinfer_kernels::cuda_libs::loaded_library;
+use specinfer_kernels::projection;
 use specinfer_wire::TokenTree;
 
 use crate::llama::{Linear, Logits};
@@ -30,12 +33,51 @@ fn gpu_err(e: impl std::fmt::Display) -> ModelError {
     }
 }
 
-/// A projection on the device: `W` row-major `[out, in]`.
+/// How the GPU engine keeps a model's projection weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// bf16 (rounded to nearest): 2 bytes per weight, the serving default.
+    #[default]
+    Bf16,
+    /// f32, dequantized exactly: for checks against the CPU engine's f32 models.
+    F32,
+}
+
+impl std::str::FromStr for WeightFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "bf16" => Ok(WeightFormat::Bf16),
+            "f32" => Ok(WeightFormat::F32),
+            other => Err(format!("unknown GPU weight format {other:?} (bf16 or f32)")),
+        }
+    }
+}
+
+/// Projection weights on the device, row-major `[out, in]`.
+enum DeviceWeights {
+    F32(CudaSlice<f32>),
+    /// bf16 bits.
+    Bf16(CudaSlice<u16>),
+}
+
+/// A projection on the device.
 struct DeviceLinear {
-    w: CudaSlice<f32>,
+    w: DeviceWeights,
     b: Option<CudaSlice<f32>>,
     out: usize,
     inp: usize,
+}
+
+impl DeviceLinear {
+    fn bytes(&self) -> usize {
+        let w = match &self.w {
+            DeviceWeights::F32(w) => w.len() * 4,
+            DeviceWeights::Bf16(w) => w.len() * 2,
+        };
+        w + self.b.as_ref().map_or(0, |b| b.len() * 4)
+    }
 }
 
 struct DeviceLayer {
@@ -54,10 +96,12 @@ struct Kernels {
     embed_rows: CudaFunction,
     rms_norm: CudaFunction,
     rope: CudaFunction,
+    linear_f32: CudaFunction,
+    linear_bf16: CudaFunction,
     silu_mul: CudaFunction,
-    add_bias: CudaFunction,
     add_into: CudaFunction,
     gather_rows: CudaFunction,
+    store_kv: CudaFunction,
     tree_attention: CudaFunction,
 }
 
@@ -65,7 +109,6 @@ struct Kernels {
 pub struct CudaLlama {
     cfg: ModelConfig,
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
     f: Kernels,
     embed: CudaSlice<f32>,
     layers: Vec<DeviceLayer>,
@@ -73,6 +116,56 @@ pub struct CudaLlama {
     lm_head: DeviceLinear,
     head_ids: Option<Vec<u32>>,
     runtime: String,
+    /// The forward's activations, kept between forwards (grown when a batch has more rows):
+    /// a forward allocates no activation buffers.
+    workspace: std::sync::Mutex<Workspace>,
+}
+
+/// Activation buffers of a forward over up to `rows` rows.
+#[derive(Default)]
+struct Workspace {
+    rows: usize,
+    bufs: Option<Buffers>,
+}
+
+struct Buffers {
+    /// The residual stream, [rows, d_model].
+    x: CudaSlice<f32>,
+    /// A norm's output, and each projection back to d_model.
+    h: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+}
+
+impl Workspace {
+    /// Buffers for `rows` rows, reallocated (to the next power of two) only when they are too
+    /// small.
+    fn fit(&mut self, model: &CudaLlama, rows: usize) -> Result<&mut Buffers> {
+        if self.bufs.is_none() || rows > self.rows {
+            let cap = rows.next_power_of_two();
+            let cfg = &model.cfg;
+            let alloc = |n: usize| model.stream.alloc_zeros::<f32>(cap * n).map_err(gpu_err);
+            self.bufs = None;
+            self.bufs = Some(Buffers {
+                x: alloc(cfg.d_model)?,
+                h: alloc(cfg.d_model)?,
+                q: alloc(cfg.n_heads * cfg.head_dim)?,
+                k: alloc(cfg.kv_row())?,
+                v: alloc(cfg.kv_row())?,
+                attn: alloc(cfg.n_heads * cfg.head_dim)?,
+                g: alloc(cfg.ffn_dim)?,
+                u: alloc(cfg.ffn_dim)?,
+                logits: alloc(model.lm_head.out)?,
+            });
+            self.rows = cap;
+        }
+        Ok(self.bufs.as_mut().expect("allocated above"))
+    }
 }
 
 /// One sequence's KV cache on the device, `max_positions` rows per layer allocated up front.
@@ -110,6 +203,9 @@ pub struct CudaSeqTree<'a> {
 
 const THREADS: u32 = 256;
 
+/// Rows per warp in the projection kernel (`LINEAR_ROWS` in `kernels/cuda/specinfer.cu`).
+const LINEAR_ROWS: usize = 8;
+
 fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(THREADS as usize) as u32, 1, 1),
@@ -127,20 +223,13 @@ fn per_row(rows: usize, shared_floats: u32) -> LaunchConfig {
 }
 
 impl CudaLlama {
-    /// Uploads `model` to GPU `ordinal`, compiling the kernels for its architecture.
-    pub fn upload(model: &Llama, ordinal: usize) -> Result<CudaLlama> {
+    /// Uploads `model` to GPU `ordinal`, its projection weights in `format`, compiling the
+    /// kernels for the GPU's architecture.
+    pub fn upload(model: &Llama, ordinal: usize, format: WeightFormat) -> Result<CudaLlama> {
         // SAFETY: only probes whether the driver library can be opened.
         if !unsafe { specinfer_kernels::cuda::cudarc::driver::sys::is_culib_present() } {
             return Err(gpu_err(
                 "no NVIDIA driver (libcuda.so) on this machine: use --device cpu",
-            ));
-        }
-        // SAFETY: as above, for cuBLAS (cudarc would panic at the first projection without it).
-        if !unsafe { specinfer_kernels::cuda::cudarc::cublas::sys::is_culib_present() } {
-            return Err(gpu_err(
-                "cuBLAS cannot be loaded (cudarc opens libcublas.so or libcublas.so.12): on a GPU \
-                 machine `specinfer_kernels::cuda_libs::prepare` links the cuBLAS the driver supports \
-                 (.so.12 or .so.13, the CUDA toolkit's or the PyPI wheel nvidia-cublas-cu12/-cu13's)",
             ));
         }
         let ctx = CudaContext::new(ordinal).map_err(gpu_err)?;
@@ -184,19 +273,29 @@ impl CudaLlama {
             embed_rows: load("embed_rows")?,
             rms_norm: load("rms_norm")?,
             rope: load("rope")?,
+            linear_f32: load("linear_f32")?,
+            linear_bf16: load("linear_bf16")?,
             silu_mul: load("silu_mul")?,
-            add_bias: load("add_bias")?,
             add_into: load("add_into")?,
             gather_rows: load("gather_rows")?,
+            store_kv: load("store_kv")?,
             tree_attention: load("tree_attention")?,
         };
         let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone()).map_err(gpu_err)?;
         let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
         let linear = |l: &Linear| -> Result<DeviceLinear> {
             let (out, inp) = l.w.shape();
+            let w = l.w.to_f32()?;
+            let w = match format {
+                WeightFormat::F32 => DeviceWeights::F32(up(&w)?),
+                WeightFormat::Bf16 => DeviceWeights::Bf16(
+                    stream
+                        .clone_htod(&projection::f32_to_bf16(&w))
+                        .map_err(gpu_err)?,
+                ),
+            };
             Ok(DeviceLinear {
-                w: up(&l.w.to_f32()?)?,
+                w,
                 b: l.b.as_deref().map(up).transpose()?,
                 out,
                 inp,
@@ -223,9 +322,9 @@ impl CudaLlama {
             lm_head: linear(&model.lm_head)?,
             head_ids: model.head_ids.clone(),
             runtime,
+            workspace: Default::default(),
             layers,
             f,
-            blas,
             stream,
         })
     }
@@ -241,21 +340,19 @@ impl CudaLlama {
 
     /// Bytes of weights on the device (what one decode step must read).
     pub fn weight_bytes(&self) -> usize {
-        let lin = |l: &DeviceLinear| l.w.len() + l.b.as_ref().map_or(0, |b| b.len());
         let layers: usize = self
             .layers
             .iter()
             .map(|l| {
                 [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
                     .iter()
-                    .map(|x| lin(x))
+                    .map(|x| x.bytes())
                     .sum::<usize>()
-                    + l.attn_norm.len()
-                    + l.ffn_norm.len()
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
             })
             .sum();
         // A decode step reads one embedding row, not the table.
-        4 * (layers + lin(&self.lm_head) + self.final_norm.len())
+        layers + self.lm_head.bytes() + 4 * self.final_norm.len()
     }
 
     /// Device memory bandwidth in bytes per second, from timing a 1 GiB device-to-device copy
@@ -334,60 +431,90 @@ impl CudaLlama {
         Ok(())
     }
 
-    /// `y = x W^T (+ b)` for `rows` rows on cuBLAS (row-major in, row-major out).
-    fn linear(&self, x: &CudaSlice<f32>, rows: usize, l: &DeviceLinear) -> Result<CudaSlice<f32>> {
+    /// `y = x W^T (+ b)` for the first `rows` rows of `x` into the first of `y` (row-major in,
+    /// row-major out), batch invariant.
+    fn linear(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        l: &DeviceLinear,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        assert!(x.len() >= rows * l.inp && y.len() >= rows * l.out);
+        let (rows_i, out_i, in_i) = (rows as i32, l.out as i32, l.inp as i32);
+        // One warp per (output column, tile of LINEAR_ROWS rows), four warps per block.
+        let warps = l.out * rows.div_ceil(LINEAR_ROWS);
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(4) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernel = match &l.w {
+            DeviceWeights::F32(_) => &self.f.linear_f32,
+            DeviceWeights::Bf16(_) => &self.f.linear_bf16,
+        };
+        let mut launch = self.stream.launch_builder(kernel);
+        launch.arg(y).arg(x);
+        match &l.w {
+            DeviceWeights::F32(w) => launch.arg(w),
+            DeviceWeights::Bf16(w) => launch.arg(w),
+        };
+        // A null bias pointer: the kernel adds none.
+        let no_bias = 0u64;
+        match &l.b {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&no_bias),
+        };
+        launch.arg(&rows_i).arg(&out_i).arg(&in_i);
+        // SAFETY: x holds [rows, in], w [out, in] and b [out] (or null), y [rows, out], as the
+        // kernel reads and writes them.
+        unsafe { launch.launch(cfg) }.map_err(gpu_err)?;
+        Ok(())
+    }
+
+    /// The LM head's projection of `x` (`[rows, d_model]`, taken as they are) on the device,
+    /// and the same by `specinfer_kernels::projection::warp_linear` on the host over the weights
+    /// the device holds: the two must be equal bit for bit (the kernel's order is fixed).
+    pub fn check_lm_head_projection(&self, x: &[f32], rows: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let l = &self.lm_head;
+        assert_eq!(x.len(), rows * l.inp, "x is [rows, d_model]");
+        let dx = self.stream.clone_htod(x).map_err(gpu_err)?;
         let mut y = self
             .stream
             .alloc_zeros::<f32>(rows * l.out)
             .map_err(gpu_err)?;
-        // Row-major y[rows, out] is column-major y^T[out, rows] = W (stored as column-major
-        // W^T[in, out], hence transposed) times x^T (column-major [in, rows]).
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: l.out as i32,
-            n: rows as i32,
-            k: l.inp as i32,
-            alpha: 1.0f32,
-            lda: l.inp as i32,
-            ldb: l.inp as i32,
-            beta: 0.0f32,
-            ldc: l.out as i32,
-        };
-        // SAFETY: the buffers have the sizes the config describes.
-        unsafe { self.blas.gemm(cfg, &l.w, x, &mut y) }.map_err(gpu_err)?;
-        if let Some(b) = &l.b {
-            let n = (rows * l.out) as u64;
-            let cols = l.out as i32;
-            // SAFETY: y holds n floats, b holds cols.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.add_bias)
-                    .arg(&mut y)
-                    .arg(b)
-                    .arg(&n)
-                    .arg(&cols)
-                    .launch(elementwise(n as usize))
+        self.linear(&dx, rows, l, &mut y)?;
+        let device = self.stream.clone_dtoh(&y).map_err(gpu_err)?;
+        let w = match &l.w {
+            DeviceWeights::F32(w) => self.stream.clone_dtoh(w).map_err(gpu_err)?,
+            DeviceWeights::Bf16(w) => {
+                projection::bf16_to_f32(&self.stream.clone_dtoh(w).map_err(gpu_err)?)
             }
-            .map_err(gpu_err)?;
-        }
-        Ok(y)
+        };
+        let b = match &l.b {
+            Some(b) => Some(self.stream.clone_dtoh(b).map_err(gpu_err)?),
+            None => None,
+        };
+        let host = projection::warp_linear(x, rows, &w, b.as_deref(), l.out, l.inp);
+        Ok((device, host))
     }
 
+    /// RMS norm of the first `rows` rows of `x` into `out`.
     fn rms_norm(
         &self,
         x: &CudaSlice<f32>,
         rows: usize,
         w: &CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
         let d = self.cfg.d_model;
-        let mut out = self.stream.alloc_zeros::<f32>(rows * d).map_err(gpu_err)?;
+        assert!(x.len() >= rows * d && out.len() >= rows * d);
         let (d_i, eps) = (d as i32, self.cfg.rms_eps);
         // SAFETY: x and out hold rows * d floats, w holds d.
         unsafe {
             self.stream
                 .launch_builder(&self.f.rms_norm)
-                .arg(&mut out)
+                .arg(out)
                 .arg(x)
                 .arg(w)
                 .arg(&d_i)
@@ -395,11 +522,13 @@ impl CudaLlama {
                 .launch(per_row(rows, THREADS))
         }
         .map_err(gpu_err)?;
-        Ok(out)
+        Ok(())
     }
 
-    fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
-        let n = x.len() as u64;
+    /// `x[..n] += y[..n]`.
+    fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+        assert!(x.len() >= n && y.len() >= n);
+        let n = n as u64;
         // SAFETY: x and y hold n floats.
         unsafe {
             self.stream
@@ -491,67 +620,75 @@ impl CudaLlama {
         let d_node = up_i32(&node_in_tree)?;
         let d_anc = self.stream.clone_htod(&anc_words).map_err(gpu_err)?;
 
-        let mut x = self.stream.alloc_zeros::<f32>(rows * d).map_err(gpu_err)?;
+        // Every layer's K/V base addresses for every node, uploaded once: [layer][node].
+        let mut k_base: Vec<u64> = Vec::with_capacity(cfg.n_layers * rows);
+        let mut v_base: Vec<u64> = Vec::with_capacity(cfg.n_layers * rows);
+        for li in 0..cfg.n_layers {
+            for s in seqs.iter() {
+                let n = s.tree.len() - s.first;
+                let (kp, _k_sync) = s.cache.k[li].device_ptr(&self.stream);
+                let (vp, _v_sync) = s.cache.v[li].device_ptr(&self.stream);
+                k_base.extend(std::iter::repeat_n(kp, n));
+                v_base.extend(std::iter::repeat_n(vp, n));
+            }
+        }
+        let d_k = self.stream.clone_htod(&k_base).map_err(gpu_err)?;
+        let d_v = self.stream.clone_htod(&v_base).map_err(gpu_err)?;
+
+        let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
+        let ws = guard.fit(self, rows)?;
         let d_i = d as i32;
-        // SAFETY: x is [rows, d]; every token is inside the table (checked above).
+        // SAFETY: x holds [rows, d]; every token is inside the table (checked above).
         unsafe {
             self.stream
                 .launch_builder(&self.f.embed_rows)
-                .arg(&mut x)
+                .arg(&mut ws.x)
                 .arg(&self.embed)
                 .arg(&d_tokens)
                 .arg(&d_i)
                 .launch(per_row(rows, 0))
         }
         .map_err(gpu_err)?;
-        let mut attn = self
-            .stream
-            .alloc_zeros::<f32>(rows * cfg.n_heads * hd)
-            .map_err(gpu_err)?;
+        let (words_i, nodes_i) = (words as i32, rows as i32);
+        let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
+        let kv_row_i = kv_row as i32;
+        let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            let h = self.rms_norm(&x, rows, &layer.attn_norm)?;
-            let mut q = self.linear(&h, rows, &layer.q)?;
-            let mut k = self.linear(&h, rows, &layer.k)?;
-            let v = self.linear(&h, rows, &layer.v)?;
-            self.rope(&mut q, &d_positions, rows, cfg.n_heads)?;
-            self.rope(&mut k, &d_positions, rows, cfg.n_kv_heads)?;
-            // The new nodes' K/V go to each cache's scratch region, behind its committed rows.
-            let mut start = 0;
-            let mut k_base: Vec<u64> = Vec::with_capacity(rows);
-            let mut v_base: Vec<u64> = Vec::with_capacity(rows);
-            for s in seqs.iter_mut() {
-                let n = s.tree.len() - s.first;
-                let at = (s.cache.committed + s.first) * kv_row;
-                let src = start * kv_row..(start + n) * kv_row;
-                let mut kd = s.cache.k[li].slice_mut(at..at + n * kv_row);
+            let k_bases = d_k.slice(li * rows..(li + 1) * rows);
+            let v_bases = d_v.slice(li * rows..(li + 1) * rows);
+            self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
+            self.linear(&ws.h, rows, &layer.q, &mut ws.q)?;
+            self.linear(&ws.h, rows, &layer.k, &mut ws.k)?;
+            self.linear(&ws.h, rows, &layer.v, &mut ws.v)?;
+            self.rope(&mut ws.q, &d_positions, rows, cfg.n_heads)?;
+            self.rope(&mut ws.k, &d_positions, rows, cfg.n_kv_heads)?;
+            // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
+            // node n to position committed[n] + node_in_tree[n] of its cache.
+            // SAFETY: one block per node; k and v hold [rows, kv_row]; every cache holds
+            // committed + tree positions (checked above).
+            unsafe {
                 self.stream
-                    .memcpy_dtod(&k.slice(src.clone()), &mut kd)
-                    .map_err(gpu_err)?;
-                let mut vd = s.cache.v[li].slice_mut(at..at + n * kv_row);
-                self.stream
-                    .memcpy_dtod(&v.slice(src), &mut vd)
-                    .map_err(gpu_err)?;
-                let (kp, _k_sync) = s.cache.k[li].device_ptr(&self.stream);
-                let (vp, _v_sync) = s.cache.v[li].device_ptr(&self.stream);
-                k_base.extend(std::iter::repeat_n(kp, n));
-                v_base.extend(std::iter::repeat_n(vp, n));
-                start += n;
+                    .launch_builder(&self.f.store_kv)
+                    .arg(&k_bases)
+                    .arg(&v_bases)
+                    .arg(&d_committed)
+                    .arg(&d_node)
+                    .arg(&ws.k)
+                    .arg(&ws.v)
+                    .arg(&kv_row_i)
+                    .launch(per_row(rows, 0))
             }
-            let d_k = self.stream.clone_htod(&k_base).map_err(gpu_err)?;
-            let d_v = self.stream.clone_htod(&v_base).map_err(gpu_err)?;
-            let (words_i, nodes_i) = (words as i32, rows as i32);
-            let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
-            let scale = 1.0 / (hd as f32).sqrt();
+            .map_err(gpu_err)?;
             let warps = (rows * cfg.n_heads) as u32;
             // SAFETY: one warp per (node, head); every pointer and index was built above for
             // exactly these nodes; caches hold committed + tree positions.
             unsafe {
                 self.stream
                     .launch_builder(&self.f.tree_attention)
-                    .arg(&mut attn)
-                    .arg(&q)
-                    .arg(&d_k)
-                    .arg(&d_v)
+                    .arg(&mut ws.attn)
+                    .arg(&ws.q)
+                    .arg(&k_bases)
+                    .arg(&v_bases)
                     .arg(&d_committed)
                     .arg(&d_node)
                     .arg(&d_anc)
@@ -568,31 +705,35 @@ impl CudaLlama {
                     })
             }
             .map_err(gpu_err)?;
-            let o = self.linear(&attn, rows, &layer.o)?;
-            self.add_into(&mut x, &o)?;
-            let h = self.rms_norm(&x, rows, &layer.ffn_norm)?;
-            let mut g = self.linear(&h, rows, &layer.gate)?;
-            let u = self.linear(&h, rows, &layer.up)?;
-            let n = g.len() as u64;
+            self.linear(&ws.attn, rows, &layer.o, &mut ws.h)?;
+            self.add_into(&mut ws.x, &ws.h, rows * d)?;
+            self.rms_norm(&ws.x, rows, &layer.ffn_norm, &mut ws.h)?;
+            self.linear(&ws.h, rows, &layer.gate, &mut ws.g)?;
+            self.linear(&ws.h, rows, &layer.up, &mut ws.u)?;
+            let n = (rows * cfg.ffn_dim) as u64;
             // SAFETY: g and u hold n floats.
             unsafe {
                 self.stream
                     .launch_builder(&self.f.silu_mul)
-                    .arg(&mut g)
-                    .arg(&u)
+                    .arg(&mut ws.g)
+                    .arg(&ws.u)
                     .arg(&n)
                     .launch(elementwise(n as usize))
             }
             .map_err(gpu_err)?;
-            let down = self.linear(&g, rows, &layer.down)?;
-            self.add_into(&mut x, &down)?;
+            self.linear(&ws.g, rows, &layer.down, &mut ws.h)?;
+            self.add_into(&mut ws.x, &ws.h, rows * d)?;
         }
         for s in seqs.iter_mut() {
             s.cache.scratch = s.tree.len();
         }
-        let h = self.rms_norm(&x, rows, &self.final_norm)?;
-        let logits = self.linear(&h, rows, &self.lm_head)?;
-        let head = self.stream.clone_dtoh(&logits).map_err(gpu_err)?;
+        self.rms_norm(&ws.x, rows, &self.final_norm, &mut ws.h)?;
+        self.linear(&ws.h, rows, &self.lm_head, &mut ws.logits)?;
+        let mut head = vec![0f32; rows * self.lm_head.out];
+        self.stream
+            .memcpy_dtoh(&ws.logits.slice(..head.len()), &mut head)
+            .map_err(gpu_err)?;
+        drop(guard);
         let vocab = cfg.vocab_size;
         let full = match &self.head_ids {
             None => head,

@@ -85,6 +85,11 @@ struct ServeArgs {
     /// driver and NVRTC at run time, not at build time).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
+    /// With --device cuda: how the GPU keeps the projection weights, bf16 (half the memory and
+    /// the bytes each decode step reads) or f32 (exactly the CPU engine's f32 weights).
+    #[cfg(feature = "cuda")]
+    #[arg(long, default_value = "bf16")]
+    gpu_weights: specinfer_model::cuda::WeightFormat,
     /// Certificate chain (PEM).
     #[arg(long, requires = "key", conflicts_with = "self_signed")]
     cert: Option<PathBuf>,
@@ -388,12 +393,14 @@ fn serve(args: ServeArgs) -> Result<()> {
             Device::Cpu => service::start(Arc::new(model), &identity, args.listen, cfg)?,
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
-                let gpu = specinfer_model::cuda::CudaLlama::upload(&model, ordinal)
-                    .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
+                let gpu =
+                    specinfer_model::cuda::CudaLlama::upload(&model, ordinal, args.gpu_weights)
+                        .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
                 drop(model);
                 tracing::info!(
                     ordinal,
                     weight_bytes = gpu.weight_bytes(),
+                    weights = ?args.gpu_weights,
                     kernels = gpu.runtime(),
                     "model on the GPU"
                 );
