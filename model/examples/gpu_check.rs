@@ -211,8 +211,17 @@ fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<()
         worst <= EXACT,
         format!("max |difference| {worst:.2e}"),
     );
-    // One packed forward of sequences with different committed lengths and tree sizes.
-    let shapes = [(5usize, 7usize), (17, 30), (40, 64), (1, 1)];
+    // One packed forward of sequences with different committed lengths and tree sizes; two
+    // outgrow a cache's first 256 positions (one in its prefill, one in this forward, its
+    // committed rows moved to the larger buffer).
+    let shapes = [
+        (5usize, 7usize),
+        (17, 30),
+        (40, 64),
+        (1, 1),
+        (300, 9),
+        (230, 60),
+    ];
     let mut cpu_caches = Vec::new();
     let mut gpu_caches = Vec::new();
     let mut trees = Vec::new();

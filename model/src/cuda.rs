@@ -168,20 +168,26 @@ impl Workspace {
     }
 }
 
-/// One sequence's KV cache on the device, `max_positions` rows per layer allocated up front.
+/// One sequence's KV cache on the device: per layer, room for `positions` positions, grown as
+/// the sequence grows (doubling, to at most the model's context), so a short chat holds what it
+/// uses rather than the whole context.
 pub struct CudaKvCache {
     k: Vec<CudaSlice<f32>>,
     v: Vec<CudaSlice<f32>>,
+    positions: usize,
     committed: usize,
     scratch: usize,
 }
+
+/// Positions a new cache has room for, and the granularity of its growth.
+const KV_CHUNK: usize = 256;
 
 impl CudaKvCache {
     pub fn committed(&self) -> usize {
         self.committed
     }
 
-    /// Device bytes held (the whole context is allocated up front).
+    /// Device bytes held.
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
     }
@@ -373,7 +379,8 @@ impl CudaLlama {
 
     /// A cache with room for the model's whole context.
     pub fn new_cache(&self) -> Result<CudaKvCache> {
-        let n = self.cfg.max_positions * self.cfg.kv_row();
+        let positions = KV_CHUNK.min(self.cfg.max_positions);
+        let n = positions * self.cfg.kv_row();
         let alloc = || self.stream.alloc_zeros::<f32>(n).map_err(gpu_err);
         let mut k = Vec::with_capacity(self.cfg.n_layers);
         let mut v = Vec::with_capacity(self.cfg.n_layers);
@@ -384,9 +391,38 @@ impl CudaLlama {
         Ok(CudaKvCache {
             k,
             v,
+            positions,
             committed: 0,
             scratch: 0,
         })
+    }
+
+    /// Gives `cache` room for `needed` positions (at most the model's context, checked by the
+    /// caller): each layer moves to a buffer twice as large or more, its positions in use copied.
+    fn reserve(&self, cache: &mut CudaKvCache, needed: usize) -> Result<()> {
+        if needed <= cache.positions {
+            return Ok(());
+        }
+        let positions = needed
+            .max(2 * cache.positions)
+            .next_multiple_of(KV_CHUNK)
+            .min(self.cfg.max_positions);
+        let row = self.cfg.kv_row();
+        let used = (cache.committed + cache.scratch) * row;
+        for layer in cache.k.iter_mut().chain(cache.v.iter_mut()) {
+            let mut grown = self
+                .stream
+                .alloc_zeros::<f32>(positions * row)
+                .map_err(gpu_err)?;
+            if used > 0 {
+                self.stream
+                    .memcpy_dtod(&layer.slice(..used), &mut grown.slice_mut(..used))
+                    .map_err(gpu_err)?;
+            }
+            *layer = grown;
+        }
+        cache.positions = positions;
+        Ok(())
     }
 
     /// Keeps the scratch nodes of `path` (strictly increasing node indices of the last tree) as
@@ -613,6 +649,9 @@ impl CudaLlama {
             }
         }
         let rows = tokens.len();
+        for s in seqs.iter_mut() {
+            self.reserve(s.cache, s.cache.committed + s.tree.len())?;
+        }
         let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(gpu_err);
         let d_tokens = self.stream.clone_htod(&tokens).map_err(gpu_err)?;
         let d_positions = up_i32(&positions)?;
