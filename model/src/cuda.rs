@@ -137,6 +137,8 @@ struct Buffers {
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
     attn: CudaSlice<f32>,
+    /// The final norm's rows of the sequences that want logits, gathered.
+    selected: CudaSlice<f32>,
     g: CudaSlice<f32>,
     u: CudaSlice<f32>,
     logits: CudaSlice<f32>,
@@ -158,6 +160,7 @@ impl Workspace {
                 k: alloc(cfg.kv_row())?,
                 v: alloc(cfg.kv_row())?,
                 attn: alloc(cfg.n_heads * cfg.head_dim)?,
+                selected: alloc(cfg.d_model)?,
                 g: alloc(cfg.ffn_dim)?,
                 u: alloc(cfg.ffn_dim)?,
                 logits: alloc(model.lm_head.out)?,
@@ -607,6 +610,18 @@ impl CudaLlama {
     /// Runs every sequence's tree in one pass, as [`Llama::forward`]; logits come back to the
     /// host (whole vocabulary per computed node).
     pub fn forward(&self, seqs: &mut [CudaSeqTree<'_>]) -> Result<Vec<Logits>> {
+        self.forward_selected(seqs, &vec![true; seqs.len()])
+    }
+
+    /// [`CudaLlama::forward`] computing logits only for the sequences whose `logits` entry is
+    /// true, as [`Llama::forward_selected`]: the others (prompt prefill chunks) get empty logits,
+    /// and neither their head rows nor their copy to the host are paid.
+    pub fn forward_selected(
+        &self,
+        seqs: &mut [CudaSeqTree<'_>],
+        logits: &[bool],
+    ) -> Result<Vec<Logits>> {
+        assert_eq!(logits.len(), seqs.len(), "one logits flag per sequence");
         let cfg = &self.cfg;
         let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
         let mut tokens: Vec<u32> = Vec::new();
@@ -766,18 +781,47 @@ impl CudaLlama {
         for s in seqs.iter_mut() {
             s.cache.scratch = s.tree.len();
         }
-        self.rms_norm(&ws.x, rows, &self.final_norm, &mut ws.h)?;
-        self.linear(&ws.h, rows, &self.lm_head, &mut ws.logits)?;
-        let mut head = vec![0f32; rows * self.lm_head.out];
-        self.stream
-            .memcpy_dtoh(&ws.logits.slice(..head.len()), &mut head)
-            .map_err(gpu_err)?;
+        // The rows of the sequences that want logits.
+        let mut wanted: Vec<i32> = Vec::with_capacity(rows);
+        let mut start = 0;
+        for (s, &want) in seqs.iter().zip(logits) {
+            let n = s.tree.len() - s.first;
+            if want {
+                wanted.extend(start as i32..(start + n) as i32);
+            }
+            start += n;
+        }
+        let head_rows = wanted.len();
+        let mut head = vec![0f32; head_rows * self.lm_head.out];
+        if head_rows > 0 {
+            self.rms_norm(&ws.x, rows, &self.final_norm, &mut ws.h)?;
+            if head_rows == rows {
+                self.linear(&ws.h, rows, &self.lm_head, &mut ws.logits)?;
+            } else {
+                let idx = self.stream.clone_htod(&wanted).map_err(gpu_err)?;
+                // SAFETY: idx holds head_rows rows of h ([rows, d]); selected has room for them.
+                unsafe {
+                    self.stream
+                        .launch_builder(&self.f.gather_rows)
+                        .arg(&mut ws.selected)
+                        .arg(&ws.h)
+                        .arg(&idx)
+                        .arg(&d_i)
+                        .launch(per_row(head_rows, 0))
+                }
+                .map_err(gpu_err)?;
+                self.linear(&ws.selected, head_rows, &self.lm_head, &mut ws.logits)?;
+            }
+            self.stream
+                .memcpy_dtoh(&ws.logits.slice(..head.len()), &mut head)
+                .map_err(gpu_err)?;
+        }
         drop(guard);
         let vocab = cfg.vocab_size;
         let full = match &self.head_ids {
             None => head,
             Some(ids) => {
-                let mut full = vec![f32::NEG_INFINITY; rows * vocab];
+                let mut full = vec![f32::NEG_INFINITY; head_rows * vocab];
                 for (r, row) in head.chunks(ids.len()).enumerate() {
                     for (&t, &l) in ids.iter().zip(row) {
                         full[r * vocab + t as usize] = l;
@@ -788,7 +832,11 @@ impl CudaLlama {
         };
         let mut out = Vec::with_capacity(seqs.len());
         let mut start = 0;
-        for s in seqs.iter() {
+        for (s, &want) in seqs.iter().zip(logits) {
+            if !want {
+                out.push(Logits::from_rows(Vec::new(), vocab));
+                continue;
+            }
             let n = s.tree.len() - s.first;
             out.push(Logits::from_rows(
                 full[start * vocab..(start + n) * vocab].to_vec(),

@@ -110,11 +110,10 @@ impl TreeModel for crate::cuda::CudaLlama {
         cache.bytes()
     }
 
-    /// Computes every sequence's logits (the GPU engine does not skip the head yet).
     fn forward_trees(
         &self,
         seqs: &mut [(&mut Self::Cache, &TokenTree)],
-        _logits: &[bool],
+        logits: &[bool],
     ) -> Result<Vec<Logits>> {
         let mut batch: Vec<crate::cuda::CudaSeqTree> = seqs
             .iter_mut()
@@ -124,7 +123,7 @@ impl TreeModel for crate::cuda::CudaLlama {
                 first: 0,
             })
             .collect();
-        self.forward(&mut batch)
+        self.forward_selected(&mut batch, logits)
     }
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()> {
