@@ -11,6 +11,17 @@ typedef unsigned long long u64;
 // NVRTC has no <math.h> macros.
 #define NEG_INF __int_as_float(0xff800000)
 
+// bf16 (as its bits) to f32, exactly; f32 to bf16 rounded to nearest, ties to even (the host's
+// `half::bf16::from_f32`), NaN kept a NaN. Weights and K/V may be kept in either.
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(unsigned short v) { return __uint_as_float((unsigned)v << 16); }
+__device__ __forceinline__ void store_as(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_as(unsigned short* p, float v) {
+    const unsigned bits = __float_as_uint(v);
+    *p = (v != v) ? (unsigned short)0x7fc0
+                  : (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // out[r, :] = table[tokens[r], :]. One block per row.
 extern "C" __global__ void embed_rows(float* out, const float* table, const unsigned* tokens, int d) {
     const int r = blockIdx.x;
@@ -46,10 +57,6 @@ extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, 
 // `specinfer_kernels::projection::warp_linear` is this loop on the CPU, bit for bit.
 #define LINEAR_ROWS 8
 
-__device__ __forceinline__ float weight_f32(float w) { return w; }
-__device__ __forceinline__ float weight_f32(unsigned short w) {
-    return __uint_as_float((unsigned)w << 16);
-}
 
 template <typename W>
 __device__ void linear_rows(float* y, const float* x, const W* w, const float* b, int rows,
@@ -65,7 +72,7 @@ __device__ void linear_rows(float* y, const float* x, const W* w, const float* b
     float acc[LINEAR_ROWS];
     for (int j = 0; j < LINEAR_ROWS; j++) acc[j] = 0.0f;
     for (int k = lane; k < in; k += 32) {
-        const float wv = weight_f32(wc[k]);
+        const float wv = to_f32(wc[k]);
         for (int j = 0; j < LINEAR_ROWS; j++)
             if (j < n) acc[j] = fmaf(xr[(size_t)j * in + k], wv, acc[j]);
     }
@@ -121,26 +128,50 @@ extern "C" __global__ void add_into(float* x, const float* y, u64 n) {
 
 // dst[i, :] = src[idx[i], :]: KV compaction gathers the accepted path's rows into a temporary,
 // which is then copied back behind the committed positions (rows may overlap in place).
-extern "C" __global__ void gather_rows(float* dst, const float* src, const int* idx, int row) {
+// `row` counts elements of the buffer's type: gather_rows_u16 moves K/V rows of either precision
+// (an f32 element is two u16 units).
+template <typename T>
+__device__ void gather(T* dst, const T* src, const int* idx, int row) {
     const int i = blockIdx.x;
     for (int c = threadIdx.x; c < row; c += blockDim.x)
         dst[(size_t)i * row + c] = src[(size_t)idx[i] * row + c];
 }
 
+extern "C" __global__ void gather_rows(float* dst, const float* src, const int* idx, int row) {
+    gather(dst, src, idx, row);
+}
+
+extern "C" __global__ void gather_rows_u16(unsigned short* dst, const unsigned short* src,
+                                           const int* idx, int row) {
+    gather(dst, src, idx, row);
+}
+
 // The new nodes' K/V rows into their caches: node n's row goes to position committed[n] +
 // node_in_tree[n] of the layer cache at k_base[n] / v_base[n] (the scratch region, behind the
-// committed positions). One block per node; k and v are [nodes, row].
-extern "C" __global__ void store_kv(const u64* k_base, const u64* v_base, const int* committed,
-                                    const int* node_in_tree, const float* k, const float* v,
-                                    int row) {
+// committed positions), as f32 or rounded to bf16. One block per node; k and v are [nodes, row].
+template <typename KV>
+__device__ void store_rows(const u64* k_base, const u64* v_base, const int* committed,
+                           const int* node_in_tree, const float* k, const float* v, int row) {
     const int n = blockIdx.x;
     const size_t at = (size_t)(committed[n] + node_in_tree[n]) * row;
-    float* K = (float*)k_base[n] + at;
-    float* V = (float*)v_base[n] + at;
+    KV* K = (KV*)k_base[n] + at;
+    KV* V = (KV*)v_base[n] + at;
     for (int c = threadIdx.x; c < row; c += blockDim.x) {
-        K[c] = k[(size_t)n * row + c];
-        V[c] = v[(size_t)n * row + c];
+        store_as(K + c, k[(size_t)n * row + c]);
+        store_as(V + c, v[(size_t)n * row + c]);
     }
+}
+
+extern "C" __global__ void store_kv_f32(const u64* k_base, const u64* v_base, const int* committed,
+                                        const int* node_in_tree, const float* k, const float* v,
+                                        int row) {
+    store_rows<float>(k_base, v_base, committed, node_in_tree, k, v, row);
+}
+
+extern "C" __global__ void store_kv_bf16(const u64* k_base, const u64* v_base, const int* committed,
+                                         const int* node_in_tree, const float* k, const float* v,
+                                         int row) {
+    store_rows<unsigned short>(k_base, v_base, committed, node_in_tree, k, v, row);
 }
 
 // Fused tree attention for every node of every sequence in a batch, one warp per (node, head),
@@ -149,12 +180,11 @@ extern "C" __global__ void store_kv(const u64* k_base, const u64* v_base, const 
 // positions; it is node node_in_tree[n] of its tree, whose nodes sit at positions committed + j.
 // It sees every committed position and the tree nodes set in its ancestor bitset (itself
 // included): anc[n * words + j / 64] bit j % 64. GQA: head h reads KV head h / (heads / kv_heads).
-// head_dim <= 256.
-extern "C" __global__ void tree_attention(float* out, const float* q, const u64* k_base,
-                                          const u64* v_base, const int* committed,
-                                          const int* node_in_tree, const u64* anc, int words,
-                                          int nodes, int heads, int kv_heads, int head_dim,
-                                          float scale) {
+// head_dim <= 256. K/V as f32 or bf16 (tree_attention_f32 / _bf16), computed with in f32.
+template <typename KV>
+__device__ void attend(float* out, const float* q, const u64* k_base, const u64* v_base,
+                       const int* committed, const int* node_in_tree, const u64* anc, int words,
+                       int nodes, int heads, int kv_heads, int head_dim, float scale) {
     const int warps_per_block = blockDim.x / 32;
     const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -162,8 +192,8 @@ extern "C" __global__ void tree_attention(float* out, const float* q, const u64*
     const int n = pair / heads, h = pair % heads;
     const int kvh = h / (heads / kv_heads);
     const int row = kv_heads * head_dim;
-    const float* K = (const float*)k_base[n];
-    const float* V = (const float*)v_base[n];
+    const KV* K = (const KV*)k_base[n];
+    const KV* V = (const KV*)v_base[n];
     const float* qh = q + ((size_t)n * heads + h) * head_dim;
     const int per_lane = (head_dim + 31) / 32;
     float qv[8], acc[8];
@@ -180,20 +210,20 @@ extern "C" __global__ void tree_attention(float* out, const float* q, const u64*
             const int j = p - c;
             if (!((bits[j / 64] >> (j % 64)) & 1ull)) continue;
         }
-        const float* kp = K + (size_t)p * row + kvh * head_dim;
+        const KV* kp = K + (size_t)p * row + kvh * head_dim;
         float s = 0.0f;
         for (int j = 0; j < per_lane; j++) {
             const int d = lane + 32 * j;
-            if (d < head_dim) s += qv[j] * kp[d];
+            if (d < head_dim) s += qv[j] * to_f32(kp[d]);
         }
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         const float m2 = fmaxf(m, s);
         const float corr = expf(m - m2), w = expf(s - m2);
         l = l * corr + w;
-        const float* vp = V + (size_t)p * row + kvh * head_dim;
+        const KV* vp = V + (size_t)p * row + kvh * head_dim;
         for (int j = 0; j < per_lane; j++) {
             const int d = lane + 32 * j;
-            acc[j] = acc[j] * corr + (d < head_dim ? w * vp[d] : 0.0f);
+            acc[j] = acc[j] * corr + (d < head_dim ? w * to_f32(vp[d]) : 0.0f);
         }
         m = m2;
     }
@@ -202,6 +232,24 @@ extern "C" __global__ void tree_attention(float* out, const float* q, const u64*
         const int d = lane + 32 * j;
         if (d < head_dim) o[d] = acc[j] / l;
     }
+}
+
+extern "C" __global__ void tree_attention_f32(float* out, const float* q, const u64* k_base,
+                                              const u64* v_base, const int* committed,
+                                              const int* node_in_tree, const u64* anc, int words,
+                                              int nodes, int heads, int kv_heads, int head_dim,
+                                              float scale) {
+    attend<float>(out, q, k_base, v_base, committed, node_in_tree, anc, words, nodes, heads,
+                  kv_heads, head_dim, scale);
+}
+
+extern "C" __global__ void tree_attention_bf16(float* out, const float* q, const u64* k_base,
+                                               const u64* v_base, const int* committed,
+                                               const int* node_in_tree, const u64* anc,
+                                               int words, int nodes, int heads, int kv_heads,
+                                               int head_dim, float scale) {
+    attend<unsigned short>(out, q, k_base, v_base, committed, node_in_tree, anc, words, nodes,
+                           heads, kv_heads, head_dim, scale);
 }
 
 // Block-wide reductions over blockDim.x (a power of two) floats of shared memory.

@@ -22,8 +22,11 @@ pub const KERNELS: &[&str] = &[
     "silu_mul",
     "add_into",
     "gather_rows",
-    "store_kv",
-    "tree_attention",
+    "gather_rows_u16",
+    "store_kv_f32",
+    "store_kv_bf16",
+    "tree_attention_f32",
+    "tree_attention_bf16",
     "softmax_top_p",
 ];
 

@@ -5,11 +5,11 @@
 //!    (`specinfer_kernels::projection::warp_linear`) bit for bit, f32 and bf16 weights; GPU logits
 //!    against the CPU engine's within 1e-3 on models whose CPU path is exact f32 (tiny random
 //!    Llama and Qwen2 models, interleaved and NEOX RoPE, qkv bias; then the default SSM), f32
-//!    weights on the GPU: trees up to 100 nodes, a tree grown in two calls (`first > 0`), a
+//!    weights and K/V on the GPU: trees up to 100 nodes, a tree grown in two calls (`first > 0`), a
 //!    packed batch of sequences with different committed lengths, and compaction;
 //! 2. timings on SmolLM2: verification latency against tree size (1..128 nodes) and batch (1..16
 //!    sessions), single-token decode time against the time to read the weights once;
-//! 3. SmolLM2 (bf16 weights on the GPU, the serving default) against the CPU engine (reported:
+//! 3. SmolLM2 (bf16 weights and K/V on the GPU, the serving default) against the CPU engine (reported:
 //!    its CPU path quantizes activations to 8 bits) and greedy speculative against incremental
 //!    decoding on the GPU, asserted identical (every kernel sums in a fixed order whatever the
 //!    batch), a divergence reported with the logit gap at that token.
@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use specinfer_kernels::sampling::argmax;
-use specinfer_model::cuda::{CudaKvCache, CudaLlama, CudaSeqTree, WeightFormat};
+use specinfer_model::cuda::{CudaKvCache, CudaLlama, CudaSeqTree, Precision};
 use specinfer_model::{fetch, load_gguf, Arch, KvCache, Llama, Logits, ModelConfig, SeqTree};
 use specinfer_wire::TokenTree;
 
@@ -123,11 +123,11 @@ fn worst_difference(a: &Logits, b: &Logits, nodes: std::ops::Range<usize>) -> f3
 
 /// GPU against CPU on one model whose CPU path is exact f32.
 fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<(), String> {
-    let gpu = CudaLlama::upload(cpu, 0, WeightFormat::F32).map_err(err)?;
+    let gpu = CudaLlama::upload(cpu, 0, Precision::F32).map_err(err)?;
     println!("{name}: {}", gpu.runtime());
     let vocab = cpu.config().vocab_size as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let bf16 = CudaLlama::upload(cpu, 0, WeightFormat::Bf16).map_err(err)?;
+    let bf16 = CudaLlama::upload(cpu, 0, Precision::Bf16).map_err(err)?;
     for (format, g) in [("f32", &gpu), ("bf16", &bf16)] {
         let rows = 11;
         let x: Vec<f32> = (0..rows * cpu.config().d_model)
@@ -412,7 +412,7 @@ fn main() {
         }
     };
     let t = Instant::now();
-    let gpu = match CudaLlama::upload(&cpu, 0, WeightFormat::Bf16) {
+    let gpu = match CudaLlama::upload(&cpu, 0, Precision::Bf16) {
         Ok(g) => g,
         Err(e) => {
             r.check("SmolLM2 on the GPU", false, e.to_string());

@@ -1,6 +1,6 @@
 //! The GPU engine (feature `cuda`): the same transformer and tree-masked forward as [`Llama`], on
 //! an NVIDIA GPU through cudarc. Weights are uploaded once, as bf16 (half the bytes a decode step
-//! reads) or f32 ([`WeightFormat`]); everything runs in specinfer's NVRTC-compiled kernels
+//! reads) or f32 ([`Precision`]); everything runs in specinfer's NVRTC-compiled kernels
 //! (`kernels/cuda/specinfer.cu`), attention for all nodes of all sequences in one launch. The
 //! projections are a kernel of our own rather than cuBLAS: each output is summed in one fixed
 //! order whatever the batch (see `specinfer_kernels::projection`), so, as on the CPU engine,
@@ -33,24 +33,35 @@ fn gpu_err(e: impl std::fmt::Display) -> ModelError {
     }
 }
 
-/// How the GPU engine keeps a model's projection weights.
+/// How the GPU engine keeps a model's projection weights and its K/V caches (activations and
+/// every sum are f32 either way).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum WeightFormat {
-    /// bf16 (rounded to nearest): 2 bytes per weight, the serving default.
+pub enum Precision {
+    /// bf16 (rounded to nearest): 2 bytes per weight and per K/V element, the serving default.
     #[default]
     Bf16,
-    /// f32, dequantized exactly: for checks against the CPU engine's f32 models.
+    /// f32, weights dequantized exactly: for checks against the CPU engine's f32 models.
     F32,
 }
 
-impl std::str::FromStr for WeightFormat {
+impl Precision {
+    /// u16 units per K/V element (K/V buffers are u16 arrays, an f32 element two units).
+    fn kv_units(self) -> usize {
+        match self {
+            Precision::Bf16 => 1,
+            Precision::F32 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
-            "bf16" => Ok(WeightFormat::Bf16),
-            "f32" => Ok(WeightFormat::F32),
-            other => Err(format!("unknown GPU weight format {other:?} (bf16 or f32)")),
+            "bf16" => Ok(Precision::Bf16),
+            "f32" => Ok(Precision::F32),
+            other => Err(format!("unknown GPU precision {other:?} (bf16 or f32)")),
         }
     }
 }
@@ -101,6 +112,8 @@ struct Kernels {
     silu_mul: CudaFunction,
     add_into: CudaFunction,
     gather_rows: CudaFunction,
+    gather_rows_u16: CudaFunction,
+    /// For the K/V precision chosen.
     store_kv: CudaFunction,
     tree_attention: CudaFunction,
 }
@@ -116,6 +129,7 @@ pub struct CudaLlama {
     lm_head: DeviceLinear,
     head_ids: Option<Vec<u32>>,
     runtime: String,
+    precision: Precision,
     /// The forward's activations, kept between forwards (grown when a batch has more rows):
     /// a forward allocates no activation buffers.
     workspace: std::sync::Mutex<Workspace>,
@@ -175,8 +189,9 @@ impl Workspace {
 /// the sequence grows (doubling, to at most the model's context), so a short chat holds what it
 /// uses rather than the whole context.
 pub struct CudaKvCache {
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
+    /// Per layer, `[positions, kv_row]` elements of the engine's [`Precision`], as u16 units.
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
     positions: usize,
     committed: usize,
     scratch: usize,
@@ -192,7 +207,7 @@ impl CudaKvCache {
 
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
+        self.k.iter().chain(&self.v).map(|l| l.len() * 2).sum()
     }
 
     /// Forgets everything after the first `len` committed positions (and the scratch region).
@@ -232,9 +247,9 @@ fn per_row(rows: usize, shared_floats: u32) -> LaunchConfig {
 }
 
 impl CudaLlama {
-    /// Uploads `model` to GPU `ordinal`, its projection weights in `format`, compiling the
-    /// kernels for the GPU's architecture.
-    pub fn upload(model: &Llama, ordinal: usize, format: WeightFormat) -> Result<CudaLlama> {
+    /// Uploads `model` to GPU `ordinal`, its projection weights (and later its K/V caches) in
+    /// `precision`, compiling the kernels for the GPU's architecture.
+    pub fn upload(model: &Llama, ordinal: usize, precision: Precision) -> Result<CudaLlama> {
         // SAFETY: only probes whether the driver library can be opened.
         if !unsafe { specinfer_kernels::cuda::cudarc::driver::sys::is_culib_present() } {
             return Err(gpu_err(
@@ -287,17 +302,24 @@ impl CudaLlama {
             silu_mul: load("silu_mul")?,
             add_into: load("add_into")?,
             gather_rows: load("gather_rows")?,
-            store_kv: load("store_kv")?,
-            tree_attention: load("tree_attention")?,
+            gather_rows_u16: load("gather_rows_u16")?,
+            store_kv: load(match precision {
+                Precision::Bf16 => "store_kv_bf16",
+                Precision::F32 => "store_kv_f32",
+            })?,
+            tree_attention: load(match precision {
+                Precision::Bf16 => "tree_attention_bf16",
+                Precision::F32 => "tree_attention_f32",
+            })?,
         };
         let stream = ctx.default_stream();
         let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
         let linear = |l: &Linear| -> Result<DeviceLinear> {
             let (out, inp) = l.w.shape();
             let w = l.w.to_f32()?;
-            let w = match format {
-                WeightFormat::F32 => DeviceWeights::F32(up(&w)?),
-                WeightFormat::Bf16 => DeviceWeights::Bf16(
+            let w = match precision {
+                Precision::F32 => DeviceWeights::F32(up(&w)?),
+                Precision::Bf16 => DeviceWeights::Bf16(
                     stream
                         .clone_htod(&projection::f32_to_bf16(&w))
                         .map_err(gpu_err)?,
@@ -331,6 +353,7 @@ impl CudaLlama {
             lm_head: linear(&model.lm_head)?,
             head_ids: model.head_ids.clone(),
             runtime,
+            precision,
             workspace: Default::default(),
             layers,
             f,
@@ -380,11 +403,16 @@ impl CudaLlama {
         Ok(10.0 * 2.0 * (n * 4) as f64 / t.elapsed().as_secs_f64())
     }
 
-    /// A cache with room for the model's whole context.
+    /// u16 units of one position's K (or V) row in a cache.
+    fn kv_row_units(&self) -> usize {
+        self.cfg.kv_row() * self.precision.kv_units()
+    }
+
+    /// A new, empty cache (it grows as its sequence does).
     pub fn new_cache(&self) -> Result<CudaKvCache> {
         let positions = KV_CHUNK.min(self.cfg.max_positions);
-        let n = positions * self.cfg.kv_row();
-        let alloc = || self.stream.alloc_zeros::<f32>(n).map_err(gpu_err);
+        let n = positions * self.kv_row_units();
+        let alloc = || self.stream.alloc_zeros::<u16>(n).map_err(gpu_err);
         let mut k = Vec::with_capacity(self.cfg.n_layers);
         let mut v = Vec::with_capacity(self.cfg.n_layers);
         for _ in 0..self.cfg.n_layers {
@@ -410,12 +438,12 @@ impl CudaLlama {
             .max(2 * cache.positions)
             .next_multiple_of(KV_CHUNK)
             .min(self.cfg.max_positions);
-        let row = self.cfg.kv_row();
+        let row = self.kv_row_units();
         let used = (cache.committed + cache.scratch) * row;
         for layer in cache.k.iter_mut().chain(cache.v.iter_mut()) {
             let mut grown = self
                 .stream
-                .alloc_zeros::<f32>(positions * row)
+                .alloc_zeros::<u16>(positions * row)
                 .map_err(gpu_err)?;
             if used > 0 {
                 self.stream
@@ -440,20 +468,20 @@ impl CudaLlama {
             "path leaves the tree"
         );
         if !path.is_empty() {
-            let row = self.cfg.kv_row();
+            let row = self.kv_row_units();
             let base = cache.committed;
             let idx: Vec<i32> = path.iter().map(|&n| (base + n as usize) as i32).collect();
             let idx = self.stream.clone_htod(&idx).map_err(gpu_err)?;
             let mut tmp = self
                 .stream
-                .alloc_zeros::<f32>(path.len() * row)
+                .alloc_zeros::<u16>(path.len() * row)
                 .map_err(gpu_err)?;
             let row_i = row as i32;
             for layer in cache.k.iter_mut().chain(cache.v.iter_mut()) {
                 // SAFETY: idx holds path.len() rows inside the layer buffer; tmp has that many.
                 unsafe {
                     self.stream
-                        .launch_builder(&self.f.gather_rows)
+                        .launch_builder(&self.f.gather_rows_u16)
                         .arg(&mut tmp)
                         .arg(&*layer)
                         .arg(&idx)

@@ -85,11 +85,12 @@ struct ServeArgs {
     /// driver and NVRTC at run time, not at build time).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
-    /// With --device cuda: how the GPU keeps the projection weights, bf16 (half the memory and
-    /// the bytes each decode step reads) or f32 (exactly the CPU engine's f32 weights).
+    /// With --device cuda: how the GPU keeps the projection weights and the K/V caches, bf16
+    /// (half the memory, and half the bytes each decode step reads) or f32 (the CPU engine's f32
+    /// weights exactly). Sums are f32 either way.
     #[cfg(feature = "cuda")]
     #[arg(long, default_value = "bf16")]
-    gpu_weights: specinfer_model::cuda::WeightFormat,
+    gpu_precision: specinfer_model::cuda::Precision,
     /// Certificate chain (PEM).
     #[arg(long, requires = "key", conflicts_with = "self_signed")]
     cert: Option<PathBuf>,
@@ -394,13 +395,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
                 let gpu =
-                    specinfer_model::cuda::CudaLlama::upload(&model, ordinal, args.gpu_weights)
+                    specinfer_model::cuda::CudaLlama::upload(&model, ordinal, args.gpu_precision)
                         .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
                 drop(model);
                 tracing::info!(
                     ordinal,
                     weight_bytes = gpu.weight_bytes(),
-                    weights = ?args.gpu_weights,
+                    precision = ?args.gpu_precision,
                     kernels = gpu.runtime(),
                     "model on the GPU"
                 );
