@@ -93,17 +93,18 @@ extern "C" __global__ void linear_bf16(float* y, const float* x, const unsigned 
     linear_rows(y, x, w, b, rows, out, in);
 }
 
-// Rotary position embedding in place; x is [rows, heads, head_dim]. Pairs are (2i, 2i+1) when
+// Rotary position embedding in place; each of the rows, `row_stride` floats apart (q or k inside
+// rows of q | k | v), starts with `heads` heads of head_dim. Pairs are (2i, 2i+1) when
 // `interleaved` (GGUF llama), else (i, i + head_dim/2). Angles in double, as on the CPU.
-extern "C" __global__ void rope(float* x, const int* positions, int heads, int head_dim, float theta,
-                                int interleaved) {
+extern "C" __global__ void rope(float* x, int row_stride, const int* positions, int heads,
+                                int head_dim, float theta, int interleaved) {
     const int r = blockIdx.x;
     const int half = head_dim / 2;
     for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
         const int h = t / half, i = t % half;
         const double angle = (double)positions[r] * pow((double)theta, -2.0 * i / head_dim);
         const float c = (float)cos(angle), s = (float)sin(angle);
-        float* head = x + ((size_t)r * heads + h) * head_dim;
+        float* head = x + (size_t)r * row_stride + (size_t)h * head_dim;
         const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
         const float x0 = head[a], x1 = head[b];
         head[a] = x0 * c - x1 * s;
@@ -111,12 +112,14 @@ extern "C" __global__ void rope(float* x, const int* positions, int heads, int h
     }
 }
 
-// g = silu(g) * u (SwiGLU), elementwise.
-extern "C" __global__ void silu_mul(float* g, const float* u, u64 n) {
+// SwiGLU of the stacked gate | up rows: out[r, i] = silu(gu[r, i]) * gu[r, ffn + i], elementwise
+// over n = rows * ffn.
+extern "C" __global__ void swiglu(float* out, const float* gu, int ffn, u64 n) {
     const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        const float v = g[i];
-        g[i] = v / (1.0f + expf(-v)) * u[i];
+        const u64 r = i / ffn, c = i % ffn;
+        const float g = gu[r * 2 * ffn + c], u = gu[r * 2 * ffn + ffn + c];
+        out[i] = g / (1.0f + expf(-g)) * u;
     }
 }
 
@@ -148,30 +151,32 @@ extern "C" __global__ void gather_rows_u16(unsigned short* dst, const unsigned s
 
 // The new nodes' K/V rows into their caches: node n's row goes to position committed[n] +
 // node_in_tree[n] of the layer cache at k_base[n] / v_base[n] (the scratch region, behind the
-// committed positions), as f32 or rounded to bf16. One block per node; k and v are [nodes, row].
+// committed positions), as f32 or rounded to bf16. One block per node; node n's k and v are
+// `row` floats at k + n * stride and v + n * stride (inside rows of q | k | v).
 template <typename KV>
 __device__ void store_rows(const u64* k_base, const u64* v_base, const int* committed,
-                           const int* node_in_tree, const float* k, const float* v, int row) {
+                           const int* node_in_tree, const float* k, const float* v, int stride,
+                           int row) {
     const int n = blockIdx.x;
     const size_t at = (size_t)(committed[n] + node_in_tree[n]) * row;
     KV* K = (KV*)k_base[n] + at;
     KV* V = (KV*)v_base[n] + at;
     for (int c = threadIdx.x; c < row; c += blockDim.x) {
-        store_as(K + c, k[(size_t)n * row + c]);
-        store_as(V + c, v[(size_t)n * row + c]);
+        store_as(K + c, k[(size_t)n * stride + c]);
+        store_as(V + c, v[(size_t)n * stride + c]);
     }
 }
 
 extern "C" __global__ void store_kv_f32(const u64* k_base, const u64* v_base, const int* committed,
                                         const int* node_in_tree, const float* k, const float* v,
-                                        int row) {
-    store_rows<float>(k_base, v_base, committed, node_in_tree, k, v, row);
+                                        int stride, int row) {
+    store_rows<float>(k_base, v_base, committed, node_in_tree, k, v, stride, row);
 }
 
 extern "C" __global__ void store_kv_bf16(const u64* k_base, const u64* v_base, const int* committed,
                                          const int* node_in_tree, const float* k, const float* v,
-                                         int row) {
-    store_rows<unsigned short>(k_base, v_base, committed, node_in_tree, k, v, row);
+                                         int stride, int row) {
+    store_rows<unsigned short>(k_base, v_base, committed, node_in_tree, k, v, stride, row);
 }
 
 // Fused tree attention for every node of every sequence in a batch, one warp per (node, head),
@@ -180,11 +185,13 @@ extern "C" __global__ void store_kv_bf16(const u64* k_base, const u64* v_base, c
 // positions; it is node node_in_tree[n] of its tree, whose nodes sit at positions committed + j.
 // It sees every committed position and the tree nodes set in its ancestor bitset (itself
 // included): anc[n * words + j / 64] bit j % 64. GQA: head h reads KV head h / (heads / kv_heads).
-// head_dim <= 256. K/V as f32 or bf16 (tree_attention_f32 / _bf16), computed with in f32.
+// Node n's query heads start at q + n * q_stride (inside rows of q | k | v). head_dim <= 256.
+// K/V as f32 or bf16 (tree_attention_f32 / _bf16), computed with in f32.
 template <typename KV>
-__device__ void attend(float* out, const float* q, const u64* k_base, const u64* v_base,
-                       const int* committed, const int* node_in_tree, const u64* anc, int words,
-                       int nodes, int heads, int kv_heads, int head_dim, float scale) {
+__device__ void attend(float* out, const float* q, int q_stride, const u64* k_base,
+                       const u64* v_base, const int* committed, const int* node_in_tree,
+                       const u64* anc, int words, int nodes, int heads, int kv_heads, int head_dim,
+                       float scale) {
     const int warps_per_block = blockDim.x / 32;
     const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -194,7 +201,7 @@ __device__ void attend(float* out, const float* q, const u64* k_base, const u64*
     const int row = kv_heads * head_dim;
     const KV* K = (const KV*)k_base[n];
     const KV* V = (const KV*)v_base[n];
-    const float* qh = q + ((size_t)n * heads + h) * head_dim;
+    const float* qh = q + (size_t)n * q_stride + (size_t)h * head_dim;
     const int per_lane = (head_dim + 31) / 32;
     float qv[8], acc[8];
     for (int j = 0; j < per_lane; j++) {
@@ -234,22 +241,22 @@ __device__ void attend(float* out, const float* q, const u64* k_base, const u64*
     }
 }
 
-extern "C" __global__ void tree_attention_f32(float* out, const float* q, const u64* k_base,
-                                              const u64* v_base, const int* committed,
-                                              const int* node_in_tree, const u64* anc, int words,
-                                              int nodes, int heads, int kv_heads, int head_dim,
-                                              float scale) {
-    attend<float>(out, q, k_base, v_base, committed, node_in_tree, anc, words, nodes, heads,
-                  kv_heads, head_dim, scale);
+extern "C" __global__ void tree_attention_f32(float* out, const float* q, int q_stride,
+                                              const u64* k_base, const u64* v_base,
+                                              const int* committed, const int* node_in_tree,
+                                              const u64* anc, int words, int nodes, int heads,
+                                              int kv_heads, int head_dim, float scale) {
+    attend<float>(out, q, q_stride, k_base, v_base, committed, node_in_tree, anc, words, nodes,
+                  heads, kv_heads, head_dim, scale);
 }
 
-extern "C" __global__ void tree_attention_bf16(float* out, const float* q, const u64* k_base,
-                                               const u64* v_base, const int* committed,
-                                               const int* node_in_tree, const u64* anc,
-                                               int words, int nodes, int heads, int kv_heads,
-                                               int head_dim, float scale) {
-    attend<unsigned short>(out, q, k_base, v_base, committed, node_in_tree, anc, words, nodes,
-                           heads, kv_heads, head_dim, scale);
+extern "C" __global__ void tree_attention_bf16(float* out, const float* q, int q_stride,
+                                               const u64* k_base, const u64* v_base,
+                                               const int* committed, const int* node_in_tree,
+                                               const u64* anc, int words, int nodes, int heads,
+                                               int kv_heads, int head_dim, float scale) {
+    attend<unsigned short>(out, q, q_stride, k_base, v_base, committed, node_in_tree, anc, words,
+                           nodes, heads, kv_heads, head_dim, scale);
 }
 
 // Block-wide reductions over blockDim.x (a power of two) floats of shared memory.

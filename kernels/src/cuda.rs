@@ -19,7 +19,7 @@ pub const KERNELS: &[&str] = &[
     "rope",
     "linear_f32",
     "linear_bf16",
-    "silu_mul",
+    "swiglu",
     "add_into",
     "gather_rows",
     "gather_rows_u16",

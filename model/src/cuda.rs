@@ -15,7 +15,8 @@
 use std::sync::Arc;
 
 use specinfer_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use specinfer_kernels::cuda::cudarc::nvrtc::Ptx;
 use specinfer_kernels::cuda::{compile_cubin, compile_ptx, nvrtc_version};
@@ -93,13 +94,12 @@ impl DeviceLinear {
 
 struct DeviceLayer {
     attn_norm: CudaSlice<f32>,
-    q: DeviceLinear,
-    k: DeviceLinear,
-    v: DeviceLinear,
+    /// The query, key and value projections stacked: each output row is q | k | v.
+    qkv: DeviceLinear,
     o: DeviceLinear,
     ffn_norm: CudaSlice<f32>,
-    gate: DeviceLinear,
-    up: DeviceLinear,
+    /// The gate and up projections stacked: each output row is gate | up.
+    gate_up: DeviceLinear,
     down: DeviceLinear,
 }
 
@@ -109,7 +109,7 @@ struct Kernels {
     rope: CudaFunction,
     linear_f32: CudaFunction,
     linear_bf16: CudaFunction,
-    silu_mul: CudaFunction,
+    swiglu: CudaFunction,
     add_into: CudaFunction,
     gather_rows: CudaFunction,
     gather_rows_u16: CudaFunction,
@@ -147,14 +147,14 @@ struct Buffers {
     x: CudaSlice<f32>,
     /// A norm's output, and each projection back to d_model.
     h: CudaSlice<f32>,
-    q: CudaSlice<f32>,
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    /// Rows of q | k | v.
+    qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
     /// The final norm's rows of the sequences that want logits, gathered.
     selected: CudaSlice<f32>,
+    /// Rows of gate | up, and the SwiGLU of them.
+    gate_up: CudaSlice<f32>,
     g: CudaSlice<f32>,
-    u: CudaSlice<f32>,
     logits: CudaSlice<f32>,
 }
 
@@ -170,13 +170,11 @@ impl Workspace {
             self.bufs = Some(Buffers {
                 x: alloc(cfg.d_model)?,
                 h: alloc(cfg.d_model)?,
-                q: alloc(cfg.n_heads * cfg.head_dim)?,
-                k: alloc(cfg.kv_row())?,
-                v: alloc(cfg.kv_row())?,
+                qkv: alloc(cfg.n_heads * cfg.head_dim + 2 * cfg.kv_row())?,
                 attn: alloc(cfg.n_heads * cfg.head_dim)?,
                 selected: alloc(cfg.d_model)?,
+                gate_up: alloc(2 * cfg.ffn_dim)?,
                 g: alloc(cfg.ffn_dim)?,
-                u: alloc(cfg.ffn_dim)?,
                 logits: alloc(model.lm_head.out)?,
             });
             self.rows = cap;
@@ -299,7 +297,7 @@ impl CudaLlama {
             rope: load("rope")?,
             linear_f32: load("linear_f32")?,
             linear_bf16: load("linear_bf16")?,
-            silu_mul: load("silu_mul")?,
+            swiglu: load("swiglu")?,
             add_into: load("add_into")?,
             gather_rows: load("gather_rows")?,
             gather_rows_u16: load("gather_rows_u16")?,
@@ -314,9 +312,23 @@ impl CudaLlama {
         };
         let stream = ctx.default_stream();
         let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
-        let linear = |l: &Linear| -> Result<DeviceLinear> {
-            let (out, inp) = l.w.shape();
-            let w = l.w.to_f32()?;
+        // Projections that read the same input are stacked into one (their outputs side by side
+        // in each row: q|k|v, gate|up), so a layer makes four projection launches, not seven.
+        let linear = |parts: &[&Linear]| -> Result<DeviceLinear> {
+            let inp = parts[0].w.shape().1;
+            let (mut w, mut b, mut out) = (Vec::new(), Vec::new(), 0);
+            let biased = parts.iter().any(|l| l.b.is_some());
+            for l in parts {
+                let (rows, cols) = l.w.shape();
+                assert_eq!(cols, inp, "stacked projections read the same input");
+                w.extend(l.w.to_f32()?);
+                match &l.b {
+                    Some(lb) => b.extend_from_slice(lb),
+                    None if biased => b.extend(std::iter::repeat_n(0.0, rows)),
+                    None => {}
+                }
+                out += rows;
+            }
             let w = match precision {
                 Precision::F32 => DeviceWeights::F32(up(&w)?),
                 Precision::Bf16 => DeviceWeights::Bf16(
@@ -327,7 +339,7 @@ impl CudaLlama {
             };
             Ok(DeviceLinear {
                 w,
-                b: l.b.as_deref().map(up).transpose()?,
+                b: biased.then(|| up(&b)).transpose()?,
                 out,
                 inp,
             })
@@ -336,21 +348,18 @@ impl CudaLlama {
         for l in &model.layers {
             layers.push(DeviceLayer {
                 attn_norm: up(&l.attn_norm)?,
-                q: linear(&l.q)?,
-                k: linear(&l.k)?,
-                v: linear(&l.v)?,
-                o: linear(&l.o)?,
+                qkv: linear(&[&l.q, &l.k, &l.v])?,
+                o: linear(&[&l.o])?,
                 ffn_norm: up(&l.ffn_norm)?,
-                gate: linear(&l.gate)?,
-                up: linear(&l.up)?,
-                down: linear(&l.down)?,
+                gate_up: linear(&[&l.gate, &l.up])?,
+                down: linear(&[&l.down])?,
             });
         }
         Ok(CudaLlama {
             cfg: model.cfg.clone(),
             embed: up(&model.embed)?,
             final_norm: up(&model.final_norm)?,
-            lm_head: linear(&model.lm_head)?,
+            lm_head: linear(&[&model.lm_head])?,
             head_ids: model.head_ids.clone(),
             runtime,
             precision,
@@ -376,7 +385,7 @@ impl CudaLlama {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                [&l.qkv, &l.o, &l.gate_up, &l.down]
                     .iter()
                     .map(|x| x.bytes())
                     .sum::<usize>()
@@ -609,21 +618,28 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Rotates the first `heads` heads of each of `rows` rows of `x`, rows `row_stride` floats
+    /// apart (q or k inside rows of q | k | v).
     fn rope(
         &self,
-        x: &mut CudaSlice<f32>,
+        x: &mut CudaViewMut<'_, f32>,
+        row_stride: usize,
         positions: &CudaSlice<i32>,
         rows: usize,
         heads: usize,
     ) -> Result<()> {
         let (heads, hd) = (heads as i32, self.cfg.head_dim as i32);
+        let stride = row_stride as i32;
         let theta = self.cfg.rope_theta;
         let interleaved = (self.cfg.rope_style == RopeStyle::Interleaved) as i32;
-        // SAFETY: x is [rows, heads, hd]; positions holds rows entries.
+        assert!(x.len() >= (rows - 1) * row_stride + (heads * hd) as usize);
+        // SAFETY: x holds rows rows of heads * hd floats, row_stride apart; positions holds rows
+        // entries.
         unsafe {
             self.stream
                 .launch_builder(&self.f.rope)
                 .arg(x)
+                .arg(&stride)
                 .arg(positions)
                 .arg(&heads)
                 .arg(&hd)
@@ -734,20 +750,35 @@ impl CudaLlama {
         let (words_i, nodes_i) = (words as i32, rows as i32);
         let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
         let kv_row_i = kv_row as i32;
+        // Each row of the stacked projection: q (q_row floats), then k and v (kv_row each).
+        let q_row = cfg.n_heads * hd;
+        let qkv_row = q_row + 2 * kv_row;
+        let qkv_row_i = qkv_row as i32;
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
             let k_bases = d_k.slice(li * rows..(li + 1) * rows);
             let v_bases = d_v.slice(li * rows..(li + 1) * rows);
             self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.q, &mut ws.q)?;
-            self.linear(&ws.h, rows, &layer.k, &mut ws.k)?;
-            self.linear(&ws.h, rows, &layer.v, &mut ws.v)?;
-            self.rope(&mut ws.q, &d_positions, rows, cfg.n_heads)?;
-            self.rope(&mut ws.k, &d_positions, rows, cfg.n_kv_heads)?;
+            self.linear(&ws.h, rows, &layer.qkv, &mut ws.qkv)?;
+            self.rope(
+                &mut ws.qkv.slice_mut(..),
+                qkv_row,
+                &d_positions,
+                rows,
+                cfg.n_heads,
+            )?;
+            self.rope(
+                &mut ws.qkv.slice_mut(q_row..),
+                qkv_row,
+                &d_positions,
+                rows,
+                cfg.n_kv_heads,
+            )?;
             // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
             // node n to position committed[n] + node_in_tree[n] of its cache.
-            // SAFETY: one block per node; k and v hold [rows, kv_row]; every cache holds
-            // committed + tree positions (checked above).
+            // SAFETY: one block per node; its k and v are kv_row floats at q_row and q_row +
+            // kv_row of its q | k | v row; every cache holds committed + tree positions (checked
+            // above).
             unsafe {
                 self.stream
                     .launch_builder(&self.f.store_kv)
@@ -755,8 +786,9 @@ impl CudaLlama {
                     .arg(&v_bases)
                     .arg(&d_committed)
                     .arg(&d_node)
-                    .arg(&ws.k)
-                    .arg(&ws.v)
+                    .arg(&ws.qkv.slice(q_row..))
+                    .arg(&ws.qkv.slice(q_row + kv_row..))
+                    .arg(&qkv_row_i)
                     .arg(&kv_row_i)
                     .launch(per_row(rows, 0))
             }
@@ -768,7 +800,8 @@ impl CudaLlama {
                 self.stream
                     .launch_builder(&self.f.tree_attention)
                     .arg(&mut ws.attn)
-                    .arg(&ws.q)
+                    .arg(&ws.qkv)
+                    .arg(&qkv_row_i)
                     .arg(&k_bases)
                     .arg(&v_bases)
                     .arg(&d_committed)
@@ -790,15 +823,16 @@ impl CudaLlama {
             self.linear(&ws.attn, rows, &layer.o, &mut ws.h)?;
             self.add_into(&mut ws.x, &ws.h, rows * d)?;
             self.rms_norm(&ws.x, rows, &layer.ffn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.gate, &mut ws.g)?;
-            self.linear(&ws.h, rows, &layer.up, &mut ws.u)?;
+            self.linear(&ws.h, rows, &layer.gate_up, &mut ws.gate_up)?;
             let n = (rows * cfg.ffn_dim) as u64;
-            // SAFETY: g and u hold n floats.
+            let ffn_i = cfg.ffn_dim as i32;
+            // SAFETY: g holds n floats, gate_up rows * 2 * ffn_dim.
             unsafe {
                 self.stream
-                    .launch_builder(&self.f.silu_mul)
+                    .launch_builder(&self.f.swiglu)
                     .arg(&mut ws.g)
-                    .arg(&ws.u)
+                    .arg(&ws.gate_up)
+                    .arg(&ffn_i)
                     .arg(&n)
                     .launch(elementwise(n as usize))
             }
