@@ -23,7 +23,7 @@ const PLACES: usize = 3;
 const BUCKET_EDGES: [f32; 8] = [0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85];
 const BUCKETS: usize = BUCKET_EDGES.len() + 1;
 
-/// How many verdicts' worth the prior of each cell counts for.
+/// How many tried draws the prior of each cell counts for.
 const PRIOR_WEIGHT: f64 = 6.0;
 
 /// One cell of [`DrawAcceptance`]: where a draw sits among its siblings and the probability it
