@@ -22,13 +22,6 @@ __device__ __forceinline__ void store_as(unsigned short* p, float v) {
                   : (unsigned short)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// out[r, :] = table[tokens[r], :]. One block per row.
-extern "C" __global__ void embed_rows(float* out, const float* table, const unsigned* tokens, int d) {
-    const int r = blockIdx.x;
-    const float* src = table + (size_t)tokens[r] * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(size_t)r * d + i] = src[i];
-}
-
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. One block per row; blockDim.x is a
 // power of two and the dynamic shared memory holds blockDim.x floats.
 extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int d, float eps) {
@@ -129,8 +122,9 @@ extern "C" __global__ void add_into(float* x, const float* y, u64 n) {
     if (i < n) x[i] += y[i];
 }
 
-// dst[i, :] = src[idx[i], :]: KV compaction gathers the accepted path's rows into a temporary,
-// which is then copied back behind the committed positions (rows may overlap in place).
+// dst[i, :] = src[idx[i], :], one block per row: the tokens' embeddings, the rows that want
+// logits, and KV compaction (the accepted path's rows into a temporary, then copied back behind
+// the committed positions: rows may overlap in place).
 // `row` counts elements of the buffer's type: gather_rows_u16 moves K/V rows of either precision
 // (an f32 element is two u16 units).
 template <typename T>

@@ -14,7 +14,6 @@ pub const SOURCE: &str = include_str!("../cuda/specinfer.cu");
 
 /// The entry points [`SOURCE`] defines.
 pub const KERNELS: &[&str] = &[
-    "embed_rows",
     "rms_norm",
     "rope",
     "linear_f32",

@@ -104,7 +104,6 @@ struct DeviceLayer {
 }
 
 struct Kernels {
-    embed_rows: CudaFunction,
     rms_norm: CudaFunction,
     rope: CudaFunction,
     linear_f32: CudaFunction,
@@ -292,7 +291,6 @@ impl CudaLlama {
         };
         let load = |name: &str| module.load_function(name).map_err(gpu_err);
         let f = Kernels {
-            embed_rows: load("embed_rows")?,
             rms_norm: load("rms_norm")?,
             rope: load("rope")?,
             linear_f32: load("linear_f32")?,
@@ -525,15 +523,17 @@ impl CudaLlama {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let kernel = match &l.w {
-            DeviceWeights::F32(_) => &self.f.linear_f32,
-            DeviceWeights::Bf16(_) => &self.f.linear_bf16,
-        };
-        let mut launch = self.stream.launch_builder(kernel);
-        launch.arg(y).arg(x);
-        match &l.w {
-            DeviceWeights::F32(w) => launch.arg(w),
-            DeviceWeights::Bf16(w) => launch.arg(w),
+        let mut launch = match &l.w {
+            DeviceWeights::F32(w) => {
+                let mut launch = self.stream.launch_builder(&self.f.linear_f32);
+                launch.arg(y).arg(x).arg(w);
+                launch
+            }
+            DeviceWeights::Bf16(w) => {
+                let mut launch = self.stream.launch_builder(&self.f.linear_bf16);
+                launch.arg(y).arg(x).arg(w);
+                launch
+            }
         };
         // A null bias pointer: the kernel adds none.
         let no_bias = 0u64;
@@ -668,7 +668,8 @@ impl CudaLlama {
         assert_eq!(logits.len(), seqs.len(), "one logits flag per sequence");
         let cfg = &self.cfg;
         let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
-        let mut tokens: Vec<u32> = Vec::new();
+        // Token ids as the embedding table's row indices.
+        let mut tokens: Vec<i32> = Vec::new();
         let mut positions: Vec<i32> = Vec::new();
         let mut committed: Vec<i32> = Vec::new();
         let mut node_in_tree: Vec<i32> = Vec::new();
@@ -698,7 +699,7 @@ impl CudaLlama {
                         message: format!("token {t} outside the vocabulary of {}", cfg.vocab_size),
                     });
                 }
-                tokens.push(t);
+                tokens.push(t as i32);
                 positions.push((s.cache.committed + depth as usize) as i32);
                 committed.push(s.cache.committed as i32);
                 node_in_tree.push(node as i32);
@@ -736,10 +737,11 @@ impl CudaLlama {
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let ws = guard.fit(self, rows)?;
         let d_i = d as i32;
+        // The embeddings: the table's rows of the tokens.
         // SAFETY: x holds [rows, d]; every token is inside the table (checked above).
         unsafe {
             self.stream
-                .launch_builder(&self.f.embed_rows)
+                .launch_builder(&self.f.gather_rows)
                 .arg(&mut ws.x)
                 .arg(&self.embed)
                 .arg(&d_tokens)

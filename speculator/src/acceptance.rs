@@ -43,12 +43,11 @@ impl DrawCell {
     }
 }
 
-/// The drawn children of one sent tree: for each node after the root, its parent and cell, or
-/// `None` for a node the draft did not draw (the tree's later nodes, added by the lookup, are
-/// not listed at all).
+/// The drawn children of one sent tree: for each node after the root, in order, its parent and
+/// cell (the tree's later nodes, added by the lookup, are not listed).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SentDraws {
-    pub(crate) nodes: Vec<Option<(u32, DrawCell)>>,
+    pub(crate) nodes: Vec<(u32, DrawCell)>,
 }
 
 /// The learned chance that the verifier accepts a draw it tries, per [`DrawCell`].
@@ -93,19 +92,16 @@ impl DrawAcceptance {
     /// order they were made, then the lookup's nodes) until one is accepted, so every draw of a
     /// reached node up to its accepted child was tried.
     pub(crate) fn observe(&mut self, sent: &SentDraws, accepted_nodes: &[u32]) {
-        let draw = |node: usize| sent.nodes.get(node.wrapping_sub(1)).copied().flatten();
         let reached = std::iter::once(0).chain(accepted_nodes.iter().map(|&n| n as usize));
         for (depth, node) in reached.enumerate() {
             let next = accepted_nodes.get(depth).map(|&n| n as usize);
-            for child in (node + 1)..=sent.nodes.len() {
-                let Some((parent, cell)) = draw(child) else {
-                    continue;
-                };
+            // Node i + 1 is listed at i; a node's children come after it.
+            for (i, &(parent, cell)) in sent.nodes.iter().enumerate().skip(node) {
                 if parent as usize != node {
                     continue;
                 }
                 self.tried[cell.index()] += 1.0;
-                if Some(child) == next {
+                if Some(i + 1) == next {
                     self.accepted[cell.index()] += 1.0;
                     break;
                 }
@@ -133,17 +129,11 @@ mod tests {
     #[test]
     fn a_verdict_counts_the_tried_draws_of_reached_nodes_only() {
         // Root: draws 1 (rejected) and 2 (accepted); node 2: draw 3 (rejected); node 1's
-        // child 4 was never tried, nor was node 5 (the lookup's).
+        // child 4 was never tried (nor would be a node 5 the lookup added: it is not listed).
         let first = DrawCell::new(0, 0.5);
         let second = DrawCell::new(1, 0.3);
         let sent = SentDraws {
-            nodes: vec![
-                Some((0, first)),
-                Some((0, second)),
-                Some((2, first)),
-                Some((1, first)),
-                None,
-            ],
+            nodes: vec![(0, first), (0, second), (2, first), (1, first)],
         };
         let mut a = DrawAcceptance::default();
         let before = a.clone();

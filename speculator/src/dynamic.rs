@@ -18,8 +18,8 @@ use crate::DraftModel;
 const CHILDREN_PER_NODE: usize = 8;
 
 /// Best-first tree growth: candidates (a scored node's possible children) are ranked by their
-/// value (what each would add to the expected accepted length, see [`Frontier::place`]); each wave adds the best few and scores them in one
-/// draft forward, as far as `growth` lets it. `frontier` says what the candidates are: the
+/// value (what each would add to the expected accepted length, see [`Frontier::place`]); each
+/// wave adds the best few and scores them in one draft forward, as far as `growth` lets it. `frontier` says what the candidates are: the
 /// draft's likeliest tokens (greedy verification), or draws from its distribution (speculative
 /// sampling).
 pub(crate) fn dynamic_tree(
@@ -313,7 +313,7 @@ impl Frontier for DrawnTokens<'_> {
         let rate = self.acceptance.rate(cell);
         let token = self.dists[o.dist].ids[k];
         tree.push(o.node, token);
-        self.draws.nodes.push(Some((o.node, cell)));
+        self.draws.nodes.push((o.node, cell));
         self.drawn_from.push(o.dist as u32);
         let accepted = o.reached * rate;
         o.undrawn[k] = false;
