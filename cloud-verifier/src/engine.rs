@@ -753,7 +753,7 @@ impl<M: TreeModel> Engine<M> {
             )));
         }
         let cfg = self.model.config();
-        let per_token = 2 * cfg.n_layers * cfg.kv_row() * 4;
+        let per_token = self.model.kv_position_bytes();
         let need = (prompt.len()
             + params.max_new_tokens as usize
             + self.cfg.limits.max_tree_nodes as usize)

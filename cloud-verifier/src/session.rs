@@ -5,7 +5,7 @@
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::distribution;
-use specinfer_model::{Llama, ModelError, TreeModel};
+use specinfer_model::{Llama, ModelError, TreeModel, Want};
 use specinfer_wire::{
     FeatureRows, FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified,
     VerifyMode, PROMPT_FEATURE_ROWS,
@@ -324,7 +324,7 @@ impl<M: TreeModel> Session<M> {
         let dist =
             |n: usize| distribution(logits.node(n), p.temperature, p.top_k as usize, p.top_p);
         match p.mode {
-            VerifyMode::Greedy => verify_greedy(tree, |n| logits.node(n)),
+            VerifyMode::Greedy => verify_greedy(tree, |n| logits.argmax(n)),
             VerifyMode::Stochastic => verify_stochastic(tree, dist, &mut rng),
             VerifyMode::Naive => verify_naive_sampling(tree, dist, &mut rng),
         }
@@ -390,12 +390,17 @@ pub fn run_batch<M: TreeModel>(
                 _ => unreachable!("only runnable work reaches the forward"),
             })
             .collect();
-        // Prefill chunks need only their K/V (the first round computes the root's logits).
-        let logits: Vec<bool> = work
+        // Prefill chunks need only their K/V (the first round computes the root's logits), greedy
+        // rounds only each node's argmax.
+        let wants: Vec<Want> = work
             .iter()
             .zip(&runnable)
             .filter(|(_, &r)| r)
-            .map(|((_, w), _)| matches!(w, Work::Verify(_)))
+            .map(|((s, w), _)| match w {
+                Work::Prefill { .. } => Want::KvOnly,
+                Work::Verify(_) if s.params.mode == VerifyMode::Greedy => Want::Argmax,
+                Work::Verify(_) => Want::Logits,
+            })
             .collect();
         let mut batch: Vec<(&mut M::Cache, &TokenTree)> = work
             .iter_mut()
@@ -404,7 +409,7 @@ pub fn run_batch<M: TreeModel>(
             .zip(&trees)
             .map(|(((s, _), _), tree)| (&mut s.cache, *tree))
             .collect();
-        let forward = model.forward_trees(&mut batch, &logits);
+        let forward = model.forward_trees(&mut batch, &wants);
         drop(batch);
         let chosen = work
             .iter_mut()

@@ -16,7 +16,7 @@
 //!   but accepts less (for ablation).
 
 use rand::Rng;
-use specinfer_kernels::sampling::{argmax, normalise, sample};
+use specinfer_kernels::sampling::{normalise, sample};
 use specinfer_wire::{DrawMode, TokenTree};
 
 /// The outcome of verifying one tree.
@@ -62,14 +62,15 @@ fn empty_verdict() -> Verdict {
     }
 }
 
-/// SpecInfer VerifyGreedy. `logits(node)` is the LLM's output at `node`.
-pub fn verify_greedy<'a>(tree: &TokenTree, logits: impl Fn(usize) -> &'a [f32]) -> Verdict {
+/// SpecInfer VerifyGreedy. `best(node)` is the LLM's most likely token at `node` (the first of
+/// equal maxima), all greedy verification needs of its logits.
+pub fn verify_greedy(tree: &TokenTree, best: impl Fn(usize) -> u32) -> Verdict {
     let children = tree.children();
     let mut v = empty_verdict();
     let mut node = 0usize;
     let mut depth = 0;
     loop {
-        let best = argmax(logits(node)) as u32;
+        let best = best(node);
         depth += 1;
         let kids = &children[node];
         match kids.iter().find(|&&c| tree.token(c as usize) == best) {

@@ -3,7 +3,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_kernels::sampling::{normalise, sample};
+use specinfer_kernels::sampling::{argmax, normalise, sample};
 use specinfer_verifier::verify::{
     verify_greedy, verify_naive_sampling, verify_stochastic, Verdict,
 };
@@ -394,7 +394,7 @@ fn greedy_emits_exactly_the_argmax_path() {
             })
             .collect();
         let logits: Vec<Vec<f32>> = paths.iter().map(|p| toy_logits(p)).collect();
-        let v = verify_greedy(&tree, |n| &logits[n]);
+        let v = verify_greedy(&tree, |n| argmax(&logits[n]) as u32);
         let out = v.tokens(&tree);
         // The longest root path agreeing with the greedy continuation decides the length.
         let deepest = paths

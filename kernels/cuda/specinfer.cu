@@ -1,8 +1,10 @@
 // specinfer's CUDA kernels, compiled at run time by NVRTC (no nvcc at build time).
 //
-// Layouts are the CPU engine's: activations row-major [rows, dim]; each sequence's KV cache per
-// layer position-major [position, kv_heads * head_dim], its committed positions first, then the
-// current tree's nodes in tree order (the scratch region). Everything runs in these kernels, the
+// Activations are row-major [rows, dim], as on the CPU engine. K/V live in one pool per layer
+// shared by all sequences, [slot, kv_heads * head_dim] (pages of one position): a sequence's slot
+// table (device int array) gives the slot of each of its positions, its committed positions
+// first, then the current tree's nodes in tree order (the scratch region), so that keeping a
+// round's accepted path is a table update, no row moves. Everything runs in these kernels, the
 // projections included: no cuBLAS, whose choice of algorithm by problem size (split-K, tiles)
 // would make a row's result depend on the rows batched with it.
 
@@ -122,70 +124,63 @@ extern "C" __global__ void add_into(float* x, const float* y, u64 n) {
     if (i < n) x[i] += y[i];
 }
 
-// dst[i, :] = src[idx[i], :], one block per row: the tokens' embeddings, the rows that want
-// logits, and KV compaction (the accepted path's rows into a temporary, then copied back behind
-// the committed positions: rows may overlap in place).
-// `row` counts elements of the buffer's type: gather_rows_u16 moves K/V rows of either precision
-// (an f32 element is two u16 units).
-template <typename T>
-__device__ void gather(T* dst, const T* src, const int* idx, int row) {
+// dst[i, :] = src[idx[i], :], one block per row: the tokens' embeddings, and the rows that want
+// the LM head.
+extern "C" __global__ void gather_rows(float* dst, const float* src, const int* idx, int row) {
     const int i = blockIdx.x;
     for (int c = threadIdx.x; c < row; c += blockDim.x)
         dst[(size_t)i * row + c] = src[(size_t)idx[i] * row + c];
 }
 
-extern "C" __global__ void gather_rows(float* dst, const float* src, const int* idx, int row) {
-    gather(dst, src, idx, row);
-}
-
-extern "C" __global__ void gather_rows_u16(unsigned short* dst, const unsigned short* src,
-                                           const int* idx, int row) {
-    gather(dst, src, idx, row);
-}
-
-// The new nodes' K/V rows into their caches: node n's row goes to position committed[n] +
-// node_in_tree[n] of the layer cache at k_base[n] / v_base[n] (the scratch region, behind the
-// committed positions), as f32 or rounded to bf16. One block per node; node n's k and v are
-// `row` floats at k + n * stride and v + n * stride (inside rows of q | k | v).
+// The new nodes' K/V rows into the layer's pools (k_pool, v_pool: [slot, row] elements of KV, as
+// u16 units): node n's row goes to the slot its sequence's table (at device address tables[n])
+// gives position committed[n] + node_in_tree[n] (the scratch region, behind the committed
+// positions), as f32 or rounded to bf16. One block per node; node n's k and v are `row` floats at
+// k + n * stride and v + n * stride (inside rows of q | k | v).
 template <typename KV>
-__device__ void store_rows(const u64* k_base, const u64* v_base, const int* committed,
-                           const int* node_in_tree, const float* k, const float* v, int stride,
-                           int row) {
+__device__ void store_rows(unsigned short* k_pool, unsigned short* v_pool, const u64* tables,
+                           const int* committed, const int* node_in_tree, const float* k,
+                           const float* v, int stride, int row) {
     const int n = blockIdx.x;
-    const size_t at = (size_t)(committed[n] + node_in_tree[n]) * row;
-    KV* K = (KV*)k_base[n] + at;
-    KV* V = (KV*)v_base[n] + at;
+    const int* table = (const int*)tables[n];
+    const size_t at = (size_t)table[committed[n] + node_in_tree[n]] * row;
+    KV* K = (KV*)k_pool + at;
+    KV* V = (KV*)v_pool + at;
     for (int c = threadIdx.x; c < row; c += blockDim.x) {
         store_as(K + c, k[(size_t)n * stride + c]);
         store_as(V + c, v[(size_t)n * stride + c]);
     }
 }
 
-extern "C" __global__ void store_kv_f32(const u64* k_base, const u64* v_base, const int* committed,
+extern "C" __global__ void store_kv_f32(unsigned short* k_pool, unsigned short* v_pool,
+                                        const u64* tables, const int* committed,
                                         const int* node_in_tree, const float* k, const float* v,
                                         int stride, int row) {
-    store_rows<float>(k_base, v_base, committed, node_in_tree, k, v, stride, row);
+    store_rows<float>(k_pool, v_pool, tables, committed, node_in_tree, k, v, stride, row);
 }
 
-extern "C" __global__ void store_kv_bf16(const u64* k_base, const u64* v_base, const int* committed,
+extern "C" __global__ void store_kv_bf16(unsigned short* k_pool, unsigned short* v_pool,
+                                         const u64* tables, const int* committed,
                                          const int* node_in_tree, const float* k, const float* v,
                                          int stride, int row) {
-    store_rows<unsigned short>(k_base, v_base, committed, node_in_tree, k, v, stride, row);
+    store_rows<unsigned short>(k_pool, v_pool, tables, committed, node_in_tree, k, v, stride,
+                               row);
 }
 
 // Fused tree attention for every node of every sequence in a batch, one warp per (node, head),
 // online softmax, no mask materialised. Node n of the packed batch belongs to a sequence whose
-// layer cache starts at k_base[n] / v_base[n] (device addresses) and has committed[n] committed
-// positions; it is node node_in_tree[n] of its tree, whose nodes sit at positions committed + j.
+// slot table is at device address tables[n] (position p's K/V row is row table[p] of the layer's
+// k_pool / v_pool) and has committed[n] committed positions; it is node node_in_tree[n] of its
+// tree, whose nodes sit at positions committed + j.
 // It sees every committed position and the tree nodes set in its ancestor bitset (itself
 // included): anc[n * words + j / 64] bit j % 64. GQA: head h reads KV head h / (heads / kv_heads).
 // Node n's query heads start at q + n * q_stride (inside rows of q | k | v). head_dim <= 256.
 // K/V as f32 or bf16 (tree_attention_f32 / _bf16), computed with in f32.
 template <typename KV>
-__device__ void attend(float* out, const float* q, int q_stride, const u64* k_base,
-                       const u64* v_base, const int* committed, const int* node_in_tree,
-                       const u64* anc, int words, int nodes, int heads, int kv_heads, int head_dim,
-                       float scale) {
+__device__ void attend(float* out, const float* q, int q_stride, const unsigned short* k_pool,
+                       const unsigned short* v_pool, const u64* tables, const int* committed,
+                       const int* node_in_tree, const u64* anc, int words, int nodes, int heads,
+                       int kv_heads, int head_dim, float scale) {
     const int warps_per_block = blockDim.x / 32;
     const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -193,8 +188,9 @@ __device__ void attend(float* out, const float* q, int q_stride, const u64* k_ba
     const int n = pair / heads, h = pair % heads;
     const int kvh = h / (heads / kv_heads);
     const int row = kv_heads * head_dim;
-    const KV* K = (const KV*)k_base[n];
-    const KV* V = (const KV*)v_base[n];
+    const KV* K = (const KV*)k_pool;
+    const KV* V = (const KV*)v_pool;
+    const int* table = (const int*)tables[n];
     const float* qh = q + (size_t)n * q_stride + (size_t)h * head_dim;
     const int per_lane = (head_dim + 31) / 32;
     float qv[8], acc[8];
@@ -211,7 +207,8 @@ __device__ void attend(float* out, const float* q, int q_stride, const u64* k_ba
             const int j = p - c;
             if (!((bits[j / 64] >> (j % 64)) & 1ull)) continue;
         }
-        const KV* kp = K + (size_t)p * row + kvh * head_dim;
+        const size_t at = (size_t)table[p] * row + kvh * head_dim;
+        const KV* kp = K + at;
         float s = 0.0f;
         for (int j = 0; j < per_lane; j++) {
             const int d = lane + 32 * j;
@@ -221,7 +218,7 @@ __device__ void attend(float* out, const float* q, int q_stride, const u64* k_ba
         const float m2 = fmaxf(m, s);
         const float corr = expf(m - m2), w = expf(s - m2);
         l = l * corr + w;
-        const KV* vp = V + (size_t)p * row + kvh * head_dim;
+        const KV* vp = V + at;
         for (int j = 0; j < per_lane; j++) {
             const int d = lane + 32 * j;
             acc[j] = acc[j] * corr + (d < head_dim ? w * to_f32(vp[d]) : 0.0f);
@@ -236,21 +233,61 @@ __device__ void attend(float* out, const float* q, int q_stride, const u64* k_ba
 }
 
 extern "C" __global__ void tree_attention_f32(float* out, const float* q, int q_stride,
-                                              const u64* k_base, const u64* v_base,
+                                              const unsigned short* k_pool,
+                                              const unsigned short* v_pool, const u64* tables,
                                               const int* committed, const int* node_in_tree,
                                               const u64* anc, int words, int nodes, int heads,
                                               int kv_heads, int head_dim, float scale) {
-    attend<float>(out, q, q_stride, k_base, v_base, committed, node_in_tree, anc, words, nodes,
-                  heads, kv_heads, head_dim, scale);
+    attend<float>(out, q, q_stride, k_pool, v_pool, tables, committed, node_in_tree, anc, words,
+                  nodes, heads, kv_heads, head_dim, scale);
 }
 
 extern "C" __global__ void tree_attention_bf16(float* out, const float* q, int q_stride,
-                                               const u64* k_base, const u64* v_base,
+                                               const unsigned short* k_pool,
+                                               const unsigned short* v_pool, const u64* tables,
                                                const int* committed, const int* node_in_tree,
                                                const u64* anc, int words, int nodes, int heads,
                                                int kv_heads, int head_dim, float scale) {
-    attend<unsigned short>(out, q, q_stride, k_base, v_base, committed, node_in_tree, anc, words,
-                           nodes, heads, kv_heads, head_dim, scale);
+    attend<unsigned short>(out, q, q_stride, k_pool, v_pool, tables, committed, node_in_tree, anc,
+                           words, nodes, heads, kv_heads, head_dim, scale);
+}
+
+// Each row's most likely token, so that greedy verification copies one id per node instead of a
+// row of the vocabulary: ids[r] = the token of row r's largest logit, the smallest token id among
+// equal maxima, as the host's argmax over the whole vocabulary (where tokens outside a restricted
+// head are -inf). Row r holds `cols` logits; column c is token head[c], or c when head is null.
+// A NaN never wins. One block per row; blockDim.x a power of two; dynamic shared memory of
+// blockDim.x floats then blockDim.x ints.
+__device__ __forceinline__ bool beats(float v, int t, float best, int best_t) {
+    return v > best || (v == best && t < best_t);
+}
+
+extern "C" __global__ void argmax_rows(int* ids, const float* logits, int cols,
+                                       const unsigned* head) {
+    extern __shared__ float part[];
+    int* part_t = (int*)(part + blockDim.x);
+    const float* x = logits + (size_t)blockIdx.x * cols;
+    float best = NEG_INF;
+    int best_t = 0x7fffffff;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const int t = head ? (int)head[c] : c;
+        if (beats(x[c], t, best, best_t)) {
+            best = x[c];
+            best_t = t;
+        }
+    }
+    part[threadIdx.x] = best;
+    part_t[threadIdx.x] = best_t;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k && beats(part[threadIdx.x + k], part_t[threadIdx.x + k],
+                                     part[threadIdx.x], part_t[threadIdx.x])) {
+            part[threadIdx.x] = part[threadIdx.x + k];
+            part_t[threadIdx.x] = part_t[threadIdx.x + k];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) ids[blockIdx.x] = part_t[0];
 }
 
 // Block-wide reductions over blockDim.x (a power of two) floats of shared memory.

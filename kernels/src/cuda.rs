@@ -21,11 +21,11 @@ pub const KERNELS: &[&str] = &[
     "swiglu",
     "add_into",
     "gather_rows",
-    "gather_rows_u16",
     "store_kv_f32",
     "store_kv_bf16",
     "tree_attention_f32",
     "tree_attention_bf16",
+    "argmax_rows",
     "softmax_top_p",
 ];
 

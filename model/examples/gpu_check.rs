@@ -6,7 +6,8 @@
 //!    against the CPU engine's within 1e-3 on models whose CPU path is exact f32 (tiny random
 //!    Llama and Qwen2 models, interleaved and NEOX RoPE, qkv bias; then the default SSM), f32
 //!    weights and K/V on the GPU: trees up to 100 nodes, a tree grown in two calls (`first > 0`), a
-//!    packed batch of sequences with different committed lengths, and compaction;
+//!    packed batch of sequences with different committed lengths, compaction (a slot-table
+//!    update), device argmaxes against the host's, and the K/V pool getting every slot back;
 //! 2. timings on SmolLM2: verification latency against tree size (1..128 nodes) and batch (1..16
 //!    sessions), single-token decode time against the time to read the weights once;
 //! 3. SmolLM2 (bf16 weights and K/V on the GPU, the serving default) against the CPU engine (reported:
@@ -23,11 +24,15 @@ use std::time::Instant;
 use rand::{Rng, SeedableRng};
 use specinfer_kernels::sampling::argmax;
 use specinfer_model::cuda::{CudaKvCache, CudaLlama, CudaSeqTree, Precision};
-use specinfer_model::{fetch, load_gguf, Arch, KvCache, Llama, Logits, ModelConfig, SeqTree};
+use specinfer_model::{fetch, load_gguf, Arch, KvCache, Llama, Logits, ModelConfig, SeqTree, Want};
 use specinfer_wire::TokenTree;
 
 /// The bound on |GPU logit - CPU logit| for f32 models.
 const EXACT: f32 = 1e-3;
+
+/// Each engine's K/V pool: room for every sequence these checks run at once (SmolLM2 in bf16:
+/// 46k positions).
+const KV_POOL_BYTES: usize = 1 << 30;
 
 /// Failed asserted checks, listed at the end.
 #[derive(Default)]
@@ -123,11 +128,11 @@ fn worst_difference(a: &Logits, b: &Logits, nodes: std::ops::Range<usize>) -> f3
 
 /// GPU against CPU on one model whose CPU path is exact f32.
 fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<(), String> {
-    let gpu = CudaLlama::upload(cpu, 0, Precision::F32).map_err(err)?;
+    let gpu = CudaLlama::upload(cpu, 0, Precision::F32, KV_POOL_BYTES).map_err(err)?;
     println!("{name}: {}", gpu.runtime());
     let vocab = cpu.config().vocab_size as u32;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let bf16 = CudaLlama::upload(cpu, 0, Precision::Bf16).map_err(err)?;
+    let bf16 = CudaLlama::upload(cpu, 0, Precision::Bf16, KV_POOL_BYTES).map_err(err)?;
     for (format, g) in [("f32", &gpu), ("bf16", &bf16)] {
         let rows = 11;
         let x: Vec<f32> = (0..rows * cpu.config().d_model)
@@ -212,8 +217,8 @@ fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<()
         format!("max |difference| {worst:.2e}"),
     );
     // One packed forward of sequences with different committed lengths and tree sizes; two
-    // outgrow a cache's first 256 positions (one in its prefill, one in this forward, its
-    // committed rows moved to the larger buffer).
+    // outgrow a slot table's first 256 entries (one in its prefill, one in this forward: its
+    // device table grows).
     let shapes = [
         (5usize, 7usize),
         (17, 30),
@@ -268,22 +273,46 @@ fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<()
         worst <= EXACT,
         format!("max |difference| {worst:.2e}"),
     );
-    // The same forward again (it rewrites the same scratch rows) with logits for every other
-    // sequence only: theirs are the same bits (the head's rows are gathered, and a projection
-    // does not depend on its batch), the others' empty.
-    let wanted: Vec<bool> = (0..shapes.len()).map(|i| i % 2 == 0).collect();
-    let c = gpu.forward_selected(&mut seqs, &wanted).map_err(err)?;
-    let same = b.iter().zip(&c).zip(&wanted).all(|((full, sel), &want)| {
-        if want {
-            full.nodes() == sel.nodes() && (0..full.nodes()).all(|i| full.node(i) == sel.node(i))
-        } else {
-            sel.nodes() == 0
-        }
-    });
+    // The same forward again (it rewrites the same scratch rows) with logits for a third of the
+    // sequences, argmaxes for another, nothing for the rest: the logits are the same bits (the
+    // head's rows are gathered, and a projection does not depend on its batch), the argmaxes
+    // (reduced on the device) the host's of the full rows, the others empty. `b`'s rows are
+    // still on the device, so this forward's head writes a fresh buffer and `b` stays readable.
+    let wants: Vec<Want> = (0..shapes.len())
+        .map(|i| [Want::Logits, Want::KvOnly, Want::Argmax][i % 3])
+        .collect();
+    let c = gpu.forward_wanting(&mut seqs, &wants).map_err(err)?;
+    let same = b
+        .iter()
+        .zip(&c)
+        .zip(&wants)
+        .all(|((full, got), want)| match want {
+            Want::Logits => {
+                full.nodes() == got.nodes()
+                    && (0..full.nodes()).all(|i| full.node(i) == got.node(i))
+            }
+            Want::Argmax => {
+                full.nodes() == got.nodes()
+                    && (0..full.nodes()).all(|i| full.argmax(i) == got.argmax(i))
+            }
+            Want::KvOnly => got.nodes() == 0,
+        });
     r.check(
-        &format!("{name}: logits for some sequences only, the same bits"),
+        &format!("{name}: logits, device argmaxes or nothing per sequence, the same answers"),
         same,
-        format!("sequences wanting logits: {wanted:?}"),
+        format!("wants: {wants:?}"),
+    );
+    // Every slot of the K/V pool comes back when the caches are dropped.
+    drop(seqs);
+    let held: usize = gpu_caches.iter().chain([&gc]).map(|c| c.bytes()).sum();
+    let (capacity, free) = gpu.kv_slots();
+    let in_use = capacity - free;
+    drop((gpu_caches, gc));
+    let (_, after) = gpu.kv_slots();
+    r.check(
+        &format!("{name}: the K/V pool counts what the caches hold, and gets it all back"),
+        in_use * gpu.kv_position_bytes() == held && after == capacity,
+        format!("{in_use} slots in use ({held} bytes held), {after} of {capacity} free after"),
     );
     Ok(())
 }
@@ -412,7 +441,7 @@ fn main() {
         }
     };
     let t = Instant::now();
-    let gpu = match CudaLlama::upload(&cpu, 0, Precision::Bf16) {
+    let gpu = match CudaLlama::upload(&cpu, 0, Precision::Bf16, KV_POOL_BYTES) {
         Ok(g) => g,
         Err(e) => {
             r.check("SmolLM2 on the GPU", false, e.to_string());

@@ -5,14 +5,17 @@
 //! projections are a kernel of our own rather than cuBLAS: each output is summed in one fixed
 //! order whatever the batch (see `specinfer_kernels::projection`), so, as on the CPU engine,
 //! greedy speculation is token-identical to incremental decoding and a session's output does not
-//! depend on the sessions batched with it. One
-//! forward per round, as on the CPU; each sequence's KV cache lives on the device with the same
-//! committed-then-scratch layout and compaction.
+//! depend on the sessions batched with it. One forward per round, as on the CPU. K/V live in one
+//! pool on the device, allocated at start for the verifier's whole KV budget, in pages of one
+//! position ([`crate::kv_slots`]): a sequence holds the positions it uses, and keeping a round's
+//! accepted path is a slot-table update, no K/V row moves. Greedy rounds get each node's argmax
+//! reduced on the device; sampled rounds' logits stay on the device and cross to the host row by
+//! row as verification reads them.
 //!
 //! cudarc loads the driver at run time and panics when it is missing, so [`CudaLlama::upload`]
 //! checks for it first and returns a clear error on machines without an NVIDIA driver.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use specinfer_kernels::cuda::cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, LaunchConfig,
@@ -24,8 +27,9 @@ use specinfer_kernels::cuda_libs::loaded_library;
 use specinfer_kernels::projection;
 use specinfer_wire::TokenTree;
 
-use crate::llama::{Linear, Logits};
-use crate::{Llama, ModelConfig, ModelError, Result, RopeStyle};
+use crate::kv_slots::{SlotPool, SlotTable};
+use crate::llama::Linear;
+use crate::{DeviceRows, Llama, Logits, ModelConfig, ModelError, Result, RopeStyle, Want};
 
 fn gpu_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Runtime {
@@ -111,10 +115,10 @@ struct Kernels {
     swiglu: CudaFunction,
     add_into: CudaFunction,
     gather_rows: CudaFunction,
-    gather_rows_u16: CudaFunction,
     /// For the K/V precision chosen.
     store_kv: CudaFunction,
     tree_attention: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 /// A [`Llama`] on one GPU.
@@ -126,12 +130,24 @@ pub struct CudaLlama {
     layers: Vec<DeviceLayer>,
     final_norm: CudaSlice<f32>,
     lm_head: DeviceLinear,
-    head_ids: Option<Vec<u32>>,
+    /// A restricted head's tokens (row i of the head is token ids[i]), on the host and device.
+    head_ids: Option<(Arc<Vec<u32>>, CudaSlice<u32>)>,
     runtime: String,
-    precision: Precision,
     /// The forward's activations, kept between forwards (grown when a batch has more rows):
     /// a forward allocates no activation buffers.
-    workspace: std::sync::Mutex<Workspace>,
+    workspace: Mutex<Workspace>,
+    kv: KvPool,
+}
+
+/// Every sequence's K/V: per layer, `[slots, kv_row]` elements of the engine's [`Precision`]
+/// (as u16 units), allocated once for the engine's whole KV memory; sequences hold slots
+/// (pages of one position, see [`crate::kv_slots`]).
+struct KvPool {
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    slots: Arc<Mutex<SlotPool>>,
+    /// Device bytes one position holds over all layers, K and V.
+    position_bytes: usize,
 }
 
 /// Activation buffers of a forward over up to `rows` rows.
@@ -149,12 +165,16 @@ struct Buffers {
     /// Rows of q | k | v.
     qkv: CudaSlice<f32>,
     attn: CudaSlice<f32>,
-    /// The final norm's rows of the sequences that want logits, gathered.
+    /// The final norm's rows of the sequences that want the head, gathered.
     selected: CudaSlice<f32>,
     /// Rows of gate | up, and the SwiGLU of them.
     gate_up: CudaSlice<f32>,
     g: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
+    /// The head's rows. Shared with the [`Logits`] of the last forward, which copy rows from it
+    /// when read; a forward while those are still alive writes into a fresh buffer instead.
+    logits: Arc<CudaSlice<f32>>,
+    /// Each head row's argmax.
+    ids: CudaSlice<i32>,
 }
 
 impl Workspace {
@@ -174,44 +194,61 @@ impl Workspace {
                 selected: alloc(cfg.d_model)?,
                 gate_up: alloc(2 * cfg.ffn_dim)?,
                 g: alloc(cfg.ffn_dim)?,
-                logits: alloc(model.lm_head.out)?,
+                logits: Arc::new(alloc(model.lm_head.out)?),
+                ids: model.stream.alloc_zeros::<i32>(cap).map_err(gpu_err)?,
             });
             self.rows = cap;
         }
-        Ok(self.bufs.as_mut().expect("allocated above"))
+        let bufs = self.bufs.as_mut().expect("allocated above");
+        if Arc::get_mut(&mut bufs.logits).is_none() {
+            bufs.logits = Arc::new(
+                model
+                    .stream
+                    .alloc_zeros::<f32>(self.rows * model.lm_head.out)
+                    .map_err(gpu_err)?,
+            );
+        }
+        Ok(bufs)
     }
 }
 
-/// One sequence's KV cache on the device: per layer, room for `positions` positions, grown as
-/// the sequence grows (doubling, to at most the model's context), so a short chat holds what it
-/// uses rather than the whole context.
+/// One sequence's K/V on the device: the slots of the engine's pool holding its positions, and
+/// that table on the device for the kernels. Its slots go back to the pool when it is dropped.
 pub struct CudaKvCache {
-    /// Per layer, `[positions, kv_row]` elements of the engine's [`Precision`], as u16 units.
-    k: Vec<CudaSlice<u16>>,
-    v: Vec<CudaSlice<u16>>,
-    positions: usize,
-    committed: usize,
-    scratch: usize,
+    table: SlotTable,
+    /// `table`'s slots as i32, room for `device_table.len()` positions (grown by doubling).
+    device_table: CudaSlice<i32>,
+    pool: Arc<Mutex<SlotPool>>,
+    position_bytes: usize,
 }
 
-/// Positions a new cache has room for, and the granularity of its growth.
-const KV_CHUNK: usize = 256;
+/// Positions a new cache's device table has room for.
+const TABLE_CHUNK: usize = 256;
+
+fn locked(pool: &Mutex<SlotPool>) -> std::sync::MutexGuard<'_, SlotPool> {
+    pool.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl CudaKvCache {
     pub fn committed(&self) -> usize {
-        self.committed
+        self.table.committed()
     }
 
-    /// Device bytes held.
+    /// Device bytes held: the pool's slots this sequence holds.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.len() * 2).sum()
+        self.table.held() * self.position_bytes
     }
 
-    /// Forgets everything after the first `len` committed positions (and the scratch region).
+    /// Forgets everything after the first `len` committed positions (and the scratch region),
+    /// their slots back to the pool.
     pub fn rollback(&mut self, len: usize) {
-        assert!(len <= self.committed, "cannot roll forward");
-        self.committed = len;
-        self.scratch = 0;
+        self.table.rollback(&mut locked(&self.pool), len);
+    }
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        self.table.release(&mut locked(&self.pool));
     }
 }
 
@@ -244,9 +281,15 @@ fn per_row(rows: usize, shared_floats: u32) -> LaunchConfig {
 }
 
 impl CudaLlama {
-    /// Uploads `model` to GPU `ordinal`, its projection weights (and later its K/V caches) in
-    /// `precision`, compiling the kernels for the GPU's architecture.
-    pub fn upload(model: &Llama, ordinal: usize, precision: Precision) -> Result<CudaLlama> {
+    /// Uploads `model` to GPU `ordinal`, its projection weights and its K/V in `precision`,
+    /// with a K/V pool of `kv_bytes` for all sequences together, compiling the kernels for the
+    /// GPU's architecture.
+    pub fn upload(
+        model: &Llama,
+        ordinal: usize,
+        precision: Precision,
+        kv_bytes: usize,
+    ) -> Result<CudaLlama> {
         // SAFETY: only probes whether the driver library can be opened.
         if !unsafe { specinfer_kernels::cuda::cudarc::driver::sys::is_culib_present() } {
             return Err(gpu_err(
@@ -298,7 +341,6 @@ impl CudaLlama {
             swiglu: load("swiglu")?,
             add_into: load("add_into")?,
             gather_rows: load("gather_rows")?,
-            gather_rows_u16: load("gather_rows_u16")?,
             store_kv: load(match precision {
                 Precision::Bf16 => "store_kv_bf16",
                 Precision::F32 => "store_kv_f32",
@@ -307,6 +349,7 @@ impl CudaLlama {
                 Precision::Bf16 => "tree_attention_bf16",
                 Precision::F32 => "tree_attention_f32",
             })?,
+            argmax_rows: load("argmax_rows")?,
         };
         let stream = ctx.default_stream();
         let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
@@ -353,14 +396,45 @@ impl CudaLlama {
                 down: linear(&[&l.down])?,
             });
         }
+        let cfg = &model.cfg;
+        let slot_units = cfg.kv_row() * precision.kv_units();
+        let position_bytes = 2 * cfg.n_layers * slot_units * 2;
+        let slots = kv_bytes / position_bytes;
+        if slots < cfg.max_positions.min(TABLE_CHUNK) {
+            return Err(gpu_err(format!(
+                "a K/V pool of {kv_bytes} bytes holds {slots} positions ({position_bytes} bytes \
+                 each): raise the KV budget"
+            )));
+        }
+        let pool = || -> Result<Vec<CudaSlice<u16>>> {
+            (0..cfg.n_layers)
+                .map(|_| {
+                    stream
+                        .alloc_zeros::<u16>(slots * slot_units)
+                        .map_err(gpu_err)
+                })
+                .collect()
+        };
+        let kv = KvPool {
+            k: pool()?,
+            v: pool()?,
+            slots: Arc::new(Mutex::new(SlotPool::new(slots))),
+            position_bytes,
+        };
         Ok(CudaLlama {
             cfg: model.cfg.clone(),
+            kv,
             embed: up(&model.embed)?,
             final_norm: up(&model.final_norm)?,
             lm_head: linear(&[&model.lm_head])?,
-            head_ids: model.head_ids.clone(),
+            head_ids: match &model.head_ids {
+                Some(ids) => Some((
+                    Arc::new(ids.clone()),
+                    stream.clone_htod(ids).map_err(gpu_err)?,
+                )),
+                None => None,
+            },
             runtime,
-            precision,
             workspace: Default::default(),
             layers,
             f,
@@ -410,99 +484,59 @@ impl CudaLlama {
         Ok(10.0 * 2.0 * (n * 4) as f64 / t.elapsed().as_secs_f64())
     }
 
-    /// u16 units of one position's K (or V) row in a cache.
-    fn kv_row_units(&self) -> usize {
-        self.cfg.kv_row() * self.precision.kv_units()
-    }
-
-    /// A new, empty cache (it grows as its sequence does).
+    /// A new, empty cache (it takes slots of the pool as its sequence grows).
     pub fn new_cache(&self) -> Result<CudaKvCache> {
-        let positions = KV_CHUNK.min(self.cfg.max_positions);
-        let n = positions * self.kv_row_units();
-        let alloc = || self.stream.alloc_zeros::<u16>(n).map_err(gpu_err);
-        let mut k = Vec::with_capacity(self.cfg.n_layers);
-        let mut v = Vec::with_capacity(self.cfg.n_layers);
-        for _ in 0..self.cfg.n_layers {
-            k.push(alloc()?);
-            v.push(alloc()?);
-        }
         Ok(CudaKvCache {
-            k,
-            v,
-            positions,
-            committed: 0,
-            scratch: 0,
+            table: SlotTable::default(),
+            device_table: self
+                .stream
+                .alloc_zeros::<i32>(TABLE_CHUNK)
+                .map_err(gpu_err)?,
+            pool: self.kv.slots.clone(),
+            position_bytes: self.kv.position_bytes,
         })
     }
 
-    /// Gives `cache` room for `needed` positions (at most the model's context, checked by the
-    /// caller): each layer moves to a buffer twice as large or more, its positions in use copied.
-    fn reserve(&self, cache: &mut CudaKvCache, needed: usize) -> Result<()> {
-        if needed <= cache.positions {
-            return Ok(());
-        }
-        let positions = needed
-            .max(2 * cache.positions)
-            .next_multiple_of(KV_CHUNK)
-            .min(self.cfg.max_positions);
-        let row = self.kv_row_units();
-        let used = (cache.committed + cache.scratch) * row;
-        for layer in cache.k.iter_mut().chain(cache.v.iter_mut()) {
-            let mut grown = self
+    /// Positions the K/V pool holds, and how many are free.
+    pub fn kv_slots(&self) -> (usize, usize) {
+        let pool = locked(&self.kv.slots);
+        (pool.capacity(), pool.free())
+    }
+
+    /// Device bytes one position of a sequence holds (K and V over all layers).
+    pub fn kv_position_bytes(&self) -> usize {
+        self.kv.position_bytes
+    }
+
+    /// Copies `cache`'s slot table from position `from` on to the device, growing the device
+    /// table (doubling) when it has no room.
+    fn sync_table(&self, cache: &mut CudaKvCache, from: usize) -> Result<()> {
+        let slots = cache.table.slots();
+        let from = if slots.len() > cache.device_table.len() {
+            cache.device_table = self
                 .stream
-                .alloc_zeros::<u16>(positions * row)
+                .alloc_zeros::<i32>(slots.len().next_power_of_two())
                 .map_err(gpu_err)?;
-            if used > 0 {
-                self.stream
-                    .memcpy_dtod(&layer.slice(..used), &mut grown.slice_mut(..used))
-                    .map_err(gpu_err)?;
-            }
-            *layer = grown;
+            0
+        } else {
+            from
+        };
+        if from < slots.len() {
+            let host: Vec<i32> = slots[from..].iter().map(|&s| s as i32).collect();
+            self.stream
+                .memcpy_htod(&host, &mut cache.device_table.slice_mut(from..slots.len()))
+                .map_err(gpu_err)?;
         }
-        cache.positions = positions;
         Ok(())
     }
 
     /// Keeps the scratch nodes of `path` (strictly increasing node indices of the last tree) as
-    /// committed positions, as [`crate::KvCache::compact`].
+    /// committed positions, as [`crate::KvCache::compact`]: a slot-table update (the path's
+    /// slots become the next committed positions, the others return to the pool); no K/V row
+    /// moves.
     pub fn compact(&self, cache: &mut CudaKvCache, path: &[u32]) -> Result<()> {
-        assert!(
-            path.windows(2).all(|w| w[0] < w[1]),
-            "path must be strictly increasing"
-        );
-        assert!(
-            path.last().is_none_or(|&n| (n as usize) < cache.scratch),
-            "path leaves the tree"
-        );
-        if !path.is_empty() {
-            let row = self.kv_row_units();
-            let base = cache.committed;
-            let idx: Vec<i32> = path.iter().map(|&n| (base + n as usize) as i32).collect();
-            let idx = self.stream.clone_htod(&idx).map_err(gpu_err)?;
-            let mut tmp = self
-                .stream
-                .alloc_zeros::<u16>(path.len() * row)
-                .map_err(gpu_err)?;
-            let row_i = row as i32;
-            for layer in cache.k.iter_mut().chain(cache.v.iter_mut()) {
-                // SAFETY: idx holds path.len() rows inside the layer buffer; tmp has that many.
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.f.gather_rows_u16)
-                        .arg(&mut tmp)
-                        .arg(&*layer)
-                        .arg(&idx)
-                        .arg(&row_i)
-                        .launch(per_row(path.len(), 0))
-                }
-                .map_err(gpu_err)?;
-                let mut dst = layer.slice_mut(base * row..(base + path.len()) * row);
-                self.stream.memcpy_dtod(&tmp, &mut dst).map_err(gpu_err)?;
-            }
-        }
-        cache.committed += path.len();
-        cache.scratch = 0;
-        Ok(())
+        let from = cache.table.keep_path(&mut locked(&self.kv.slots), path);
+        self.sync_table(cache, from)
     }
 
     /// `y = x W^T (+ b)` for the first `rows` rows of `x` into the first of `y` (row-major in,
@@ -651,21 +685,21 @@ impl CudaLlama {
         Ok(())
     }
 
-    /// Runs every sequence's tree in one pass, as [`Llama::forward`]; logits come back to the
-    /// host (whole vocabulary per computed node).
+    /// Runs every sequence's tree in one pass, as [`Llama::forward`], with every node's logits.
     pub fn forward(&self, seqs: &mut [CudaSeqTree<'_>]) -> Result<Vec<Logits>> {
-        self.forward_selected(seqs, &vec![true; seqs.len()])
+        self.forward_wanting(seqs, &vec![Want::Logits; seqs.len()])
     }
 
-    /// [`CudaLlama::forward`] computing logits only for the sequences whose `logits` entry is
-    /// true, as [`Llama::forward_selected`]: the others (prompt prefill chunks) get empty logits,
-    /// and neither their head rows nor their copy to the host are paid.
-    pub fn forward_selected(
+    /// [`CudaLlama::forward`] giving each sequence what its `wants` entry asks for: no head at
+    /// all for [`Want::KvOnly`] (prompt prefill chunks; empty logits), each node's argmax,
+    /// reduced on the device, for [`Want::Argmax`] (one id per node crosses to the host), and
+    /// for [`Want::Logits`] rows left on the device, each copied to the host when first read.
+    pub fn forward_wanting(
         &self,
         seqs: &mut [CudaSeqTree<'_>],
-        logits: &[bool],
+        wants: &[Want],
     ) -> Result<Vec<Logits>> {
-        assert_eq!(logits.len(), seqs.len(), "one logits flag per sequence");
+        assert_eq!(wants.len(), seqs.len(), "one want per sequence");
         let cfg = &self.cfg;
         let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
         // Token ids as the embedding table's row indices.
@@ -681,14 +715,15 @@ impl CudaLlama {
         let mut anc_words: Vec<u64> = Vec::new();
         for s in seqs.iter() {
             let depths = s.tree.depths();
-            let needed = s.cache.committed + *depths.iter().max().unwrap_or(&0) as usize + 1;
-            if needed > cfg.max_positions || s.cache.committed + s.tree.len() > cfg.max_positions {
+            let base = s.cache.committed();
+            let needed = base + *depths.iter().max().unwrap_or(&0) as usize + 1;
+            if needed > cfg.max_positions || base + s.tree.len() > cfg.max_positions {
                 return Err(ModelError::ContextFull {
-                    needed: needed.max(s.cache.committed + s.tree.len()),
+                    needed: needed.max(base + s.tree.len()),
                     limit: cfg.max_positions,
                 });
             }
-            assert!(s.first <= s.cache.scratch && s.first < s.tree.len());
+            assert!(s.first < s.tree.len());
             let anc = s.tree.ancestors();
             let wpn = anc.words_per_node();
             for (node, &depth) in depths.iter().enumerate().skip(s.first) {
@@ -700,8 +735,8 @@ impl CudaLlama {
                     });
                 }
                 tokens.push(t as i32);
-                positions.push((s.cache.committed + depth as usize) as i32);
-                committed.push(s.cache.committed as i32);
+                positions.push((base + depth as usize) as i32);
+                committed.push(base as i32);
                 node_in_tree.push(node as i32);
                 let mine = &anc.words()[node * wpn..(node + 1) * wpn];
                 anc_words.extend(mine);
@@ -709,30 +744,24 @@ impl CudaLlama {
             }
         }
         let rows = tokens.len();
+        // Slots for every new node, and each node's slot table (device address): [node].
+        let mut tables: Vec<u64> = Vec::with_capacity(rows);
         for s in seqs.iter_mut() {
-            self.reserve(s.cache, s.cache.committed + s.tree.len())?;
+            let from =
+                s.cache
+                    .table
+                    .place_tree(&mut locked(&self.kv.slots), s.first, s.tree.len())?;
+            self.sync_table(s.cache, from)?;
+            let (table, _sync) = s.cache.device_table.device_ptr(&self.stream);
+            tables.extend(std::iter::repeat_n(table, s.tree.len() - s.first));
         }
+        let d_tables = self.stream.clone_htod(&tables).map_err(gpu_err)?;
         let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(gpu_err);
         let d_tokens = self.stream.clone_htod(&tokens).map_err(gpu_err)?;
         let d_positions = up_i32(&positions)?;
         let d_committed = up_i32(&committed)?;
         let d_node = up_i32(&node_in_tree)?;
         let d_anc = self.stream.clone_htod(&anc_words).map_err(gpu_err)?;
-
-        // Every layer's K/V base addresses for every node, uploaded once: [layer][node].
-        let mut k_base: Vec<u64> = Vec::with_capacity(cfg.n_layers * rows);
-        let mut v_base: Vec<u64> = Vec::with_capacity(cfg.n_layers * rows);
-        for li in 0..cfg.n_layers {
-            for s in seqs.iter() {
-                let n = s.tree.len() - s.first;
-                let (kp, _k_sync) = s.cache.k[li].device_ptr(&self.stream);
-                let (vp, _v_sync) = s.cache.v[li].device_ptr(&self.stream);
-                k_base.extend(std::iter::repeat_n(kp, n));
-                v_base.extend(std::iter::repeat_n(vp, n));
-            }
-        }
-        let d_k = self.stream.clone_htod(&k_base).map_err(gpu_err)?;
-        let d_v = self.stream.clone_htod(&v_base).map_err(gpu_err)?;
 
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let ws = guard.fit(self, rows)?;
@@ -758,8 +787,9 @@ impl CudaLlama {
         let qkv_row_i = qkv_row as i32;
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            let k_bases = d_k.slice(li * rows..(li + 1) * rows);
-            let v_bases = d_v.slice(li * rows..(li + 1) * rows);
+            // The layer's pools, written by the K/V store (through the slots the tables give).
+            let (k_pool, _k_sync) = self.kv.k[li].device_ptr(&self.stream);
+            let (v_pool, _v_sync) = self.kv.v[li].device_ptr(&self.stream);
             self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
             self.linear(&ws.h, rows, &layer.qkv, &mut ws.qkv)?;
             self.rope(
@@ -777,15 +807,16 @@ impl CudaLlama {
                 cfg.n_kv_heads,
             )?;
             // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
-            // node n to position committed[n] + node_in_tree[n] of its cache.
+            // node n to the slot its table gives position committed[n] + node_in_tree[n].
             // SAFETY: one block per node; its k and v are kv_row floats at q_row and q_row +
-            // kv_row of its q | k | v row; every cache holds committed + tree positions (checked
-            // above).
+            // kv_row of its q | k | v row; every table holds committed + tree slots of the pool
+            // (placed above).
             unsafe {
                 self.stream
                     .launch_builder(&self.f.store_kv)
-                    .arg(&k_bases)
-                    .arg(&v_bases)
+                    .arg(&k_pool)
+                    .arg(&v_pool)
+                    .arg(&d_tables)
                     .arg(&d_committed)
                     .arg(&d_node)
                     .arg(&ws.qkv.slice(q_row..))
@@ -797,15 +828,16 @@ impl CudaLlama {
             .map_err(gpu_err)?;
             let warps = (rows * cfg.n_heads) as u32;
             // SAFETY: one warp per (node, head); every pointer and index was built above for
-            // exactly these nodes; caches hold committed + tree positions.
+            // exactly these nodes; tables hold committed + tree slots of the pool.
             unsafe {
                 self.stream
                     .launch_builder(&self.f.tree_attention)
                     .arg(&mut ws.attn)
                     .arg(&ws.qkv)
                     .arg(&qkv_row_i)
-                    .arg(&k_bases)
-                    .arg(&v_bases)
+                    .arg(&k_pool)
+                    .arg(&v_pool)
+                    .arg(&d_tables)
                     .arg(&d_committed)
                     .arg(&d_node)
                     .arg(&d_anc)
@@ -842,25 +874,23 @@ impl CudaLlama {
             self.linear(&ws.g, rows, &layer.down, &mut ws.h)?;
             self.add_into(&mut ws.x, &ws.h, rows * d)?;
         }
-        for s in seqs.iter_mut() {
-            s.cache.scratch = s.tree.len();
-        }
-        // The rows of the sequences that want logits.
+        // The rows of the sequences that want the head.
         let mut wanted: Vec<i32> = Vec::with_capacity(rows);
         let mut start = 0;
-        for (s, &want) in seqs.iter().zip(logits) {
+        for (s, want) in seqs.iter().zip(wants) {
             let n = s.tree.len() - s.first;
-            if want {
+            if want.head() {
                 wanted.extend(start as i32..(start + n) as i32);
             }
             start += n;
         }
         let head_rows = wanted.len();
-        let mut head = vec![0f32; head_rows * self.lm_head.out];
+        let mut ids = vec![0i32; head_rows];
         if head_rows > 0 {
             self.rms_norm(&ws.x, rows, &self.final_norm, &mut ws.h)?;
+            let logits = Arc::get_mut(&mut ws.logits).expect("fit leaves the head rows unshared");
             if head_rows == rows {
-                self.linear(&ws.h, rows, &self.lm_head, &mut ws.logits)?;
+                self.linear(&ws.h, rows, &self.lm_head, logits)?;
             } else {
                 let idx = self.stream.clone_htod(&wanted).map_err(gpu_err)?;
                 // SAFETY: idx holds head_rows rows of h ([rows, d]); selected has room for them.
@@ -874,40 +904,85 @@ impl CudaLlama {
                         .launch(per_row(head_rows, 0))
                 }
                 .map_err(gpu_err)?;
-                self.linear(&ws.selected, head_rows, &self.lm_head, &mut ws.logits)?;
+                self.linear(&ws.selected, head_rows, &self.lm_head, logits)?;
             }
-            self.stream
-                .memcpy_dtoh(&ws.logits.slice(..head.len()), &mut head)
-                .map_err(gpu_err)?;
+            if wants.contains(&Want::Argmax) {
+                let cols = self.lm_head.out as i32;
+                let no_head = 0u64;
+                let mut launch = self.stream.launch_builder(&self.f.argmax_rows);
+                launch.arg(&mut ws.ids).arg(&*ws.logits).arg(&cols);
+                match &self.head_ids {
+                    Some((_, on_device)) => launch.arg(on_device),
+                    None => launch.arg(&no_head),
+                };
+                // SAFETY: logits holds head_rows rows of `cols` floats, ids head_rows ints, the
+                // head's ids (or null) `cols` tokens; shared memory holds THREADS floats and ints.
+                unsafe { launch.launch(per_row(head_rows, 2 * THREADS)) }.map_err(gpu_err)?;
+                self.stream
+                    .memcpy_dtoh(&ws.ids.slice(..head_rows), &mut ids)
+                    .map_err(gpu_err)?;
+            }
+        }
+        let vocab = cfg.vocab_size;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut start = 0;
+        for (s, &want) in seqs.iter().zip(wants) {
+            let n = s.tree.len() - s.first;
+            out.push(match want {
+                Want::KvOnly => Logits::from_rows(Vec::new(), vocab),
+                Want::Argmax => {
+                    let ids = ids[start..start + n].iter().map(|&t| t as u32).collect();
+                    Logits::from_argmax(ids, vocab)
+                }
+                Want::Logits => Logits::on_device(
+                    Box::new(HeadRows {
+                        logits: ws.logits.clone(),
+                        first: start,
+                        cols: self.lm_head.out,
+                        vocab,
+                        head_ids: self.head_ids.as_ref().map(|(ids, _)| ids.clone()),
+                    }),
+                    n,
+                    vocab,
+                ),
+            });
+            if want.head() {
+                start += n;
+            }
         }
         drop(guard);
-        let vocab = cfg.vocab_size;
-        let full = match &self.head_ids {
-            None => head,
+        Ok(out)
+    }
+}
+
+/// A sequence's head rows left on the device by a forward ([`Want::Logits`]): its rows
+/// `first..` of the forward's head buffer, copied to the host one at a time when read.
+struct HeadRows {
+    logits: Arc<CudaSlice<f32>>,
+    first: usize,
+    /// Floats per head row (the vocabulary, or a restricted head's tokens).
+    cols: usize,
+    vocab: usize,
+    head_ids: Option<Arc<Vec<u32>>>,
+}
+
+impl DeviceRows for HeadRows {
+    fn row(&self, i: usize) -> Result<Vec<f32>> {
+        let at = (self.first + i) * self.cols;
+        let mut row = vec![0f32; self.cols];
+        self.logits
+            .stream()
+            .memcpy_dtoh(&self.logits.slice(at..at + self.cols), &mut row)
+            .map_err(gpu_err)?;
+        Ok(match &self.head_ids {
+            None => row,
             Some(ids) => {
-                let mut full = vec![f32::NEG_INFINITY; head_rows * vocab];
-                for (r, row) in head.chunks(ids.len()).enumerate() {
-                    for (&t, &l) in ids.iter().zip(row) {
-                        full[r * vocab + t as usize] = l;
-                    }
+                let mut full = vec![f32::NEG_INFINITY; self.vocab];
+                for (&t, &l) in ids.iter().zip(&row) {
+                    full[t as usize] = l;
                 }
                 full
             }
-        };
-        let mut out = Vec::with_capacity(seqs.len());
-        let mut start = 0;
-        for (s, &want) in seqs.iter().zip(logits) {
-            if !want {
-                out.push(Logits::from_rows(Vec::new(), vocab));
-                continue;
-            }
-            let n = s.tree.len() - s.first;
-            out.push(Logits::from_rows(
-                full[start * vocab..(start + n) * vocab].to_vec(),
-                vocab,
-            ));
-            start += n;
-        }
-        Ok(out)
+        })
     }
 }

@@ -10,8 +10,10 @@ mod feature;
 #[cfg(feature = "fetch")]
 pub mod fetch;
 mod kv;
+pub mod kv_slots;
 mod llama;
 mod load;
+mod logits;
 mod onnx;
 mod tokenizer;
 mod tree_model;
@@ -19,8 +21,9 @@ mod tree_model;
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use feature::{FeatureDrafter, FEATURE_DRAFT_KIND};
 pub use kv::KvCache;
-pub use llama::{Llama, Logits, SeqTree};
+pub use llama::{Llama, SeqTree};
 pub use load::quantize_rows_u8;
+pub use logits::{DeviceRows, Logits, Want};
 pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};
 pub use tree_model::TreeModel;
 
@@ -63,6 +66,15 @@ pub enum ModelError {
     Fetch { what: String, message: String },
     #[error("sequence would reach {needed} positions, the model's context is {limit}")]
     ContextFull { needed: usize, limit: usize },
+    #[error(
+        "K/V pool full: {needed} positions needed, {free} of {capacity} free (the verifier's \
+         KV budget sizes the pool; its admission should keep sessions within it)"
+    )]
+    KvPoolFull {
+        needed: usize,
+        free: usize,
+        capacity: usize,
+    },
     #[error("{backend}: {message}")]
     Runtime {
         backend: &'static str,

@@ -8,7 +8,7 @@ use specinfer_kernels::{
 };
 use specinfer_wire::TokenTree;
 
-use crate::{KvCache, ModelConfig, ModelError, Result, RopeStyle};
+use crate::{KvCache, Logits, ModelConfig, ModelError, Result, RopeStyle};
 
 /// A weight matrix `[out, in]`: our small-batch kernel for the block formats it handles
 /// (weights read once per forward whatever the node count, batch invariant), candle for the rest.
@@ -195,45 +195,6 @@ impl<'a> SeqTree<'a> {
             tree,
             first: 0,
         }
-    }
-}
-
-/// Logits for every computed node of one tree (`first..`), `[nodes, vocab]`, and (from engines
-/// that give them) each node's feature: the final hidden state after the last norm, the LM
-/// head's input, `[nodes, d_model]`. A feature-conditioned drafter predicts the next token from
-/// the LLM's features, so a verifier can send them back with the tokens it emits.
-#[derive(Clone, Debug)]
-pub struct Logits {
-    data: Vec<f32>,
-    vocab: usize,
-    /// `[nodes, feature_dim]`; empty when the engine gave none.
-    features: Vec<f32>,
-    feature_dim: usize,
-}
-
-impl Logits {
-    /// Logits of `data.len() / vocab` nodes, row after row, without features.
-    pub fn from_rows(data: Vec<f32>, vocab: usize) -> Self {
-        Logits {
-            data,
-            vocab,
-            features: Vec::new(),
-            feature_dim: 0,
-        }
-    }
-
-    /// Node `i`'s feature (`d_model` floats); `None` when the engine gave none.
-    pub fn feature(&self, i: usize) -> Option<&[f32]> {
-        let d = self.feature_dim;
-        self.features.get(i * d..(i + 1) * d).filter(|_| d > 0)
-    }
-
-    pub fn node(&self, i: usize) -> &[f32] {
-        &self.data[i * self.vocab..(i + 1) * self.vocab]
-    }
-
-    pub fn nodes(&self) -> usize {
-        self.data.len() / self.vocab
     }
 }
 
@@ -430,12 +391,7 @@ impl Llama {
             .map(|&n| {
                 let features = h[start * d..(start + n) * d].to_vec();
                 start += n;
-                Logits {
-                    data: Vec::new(),
-                    vocab,
-                    features,
-                    feature_dim: d,
-                }
+                Logits::from_rows(Vec::new(), vocab).with_features(features, d)
             })
             .collect();
         if wanted_rows == 0 {
@@ -469,7 +425,7 @@ impl Llama {
         // Each wanted sequence's rows, split off from the end (one sequence: no copy at all).
         for ((o, &n), &w) in out.iter_mut().zip(&counts).zip(want).rev() {
             if w {
-                o.data = logits.split_off(logits.len() - n * vocab);
+                o.set_rows(logits.split_off(logits.len() - n * vocab));
             }
         }
         Ok(out)

@@ -5,7 +5,7 @@
 
 use specinfer_wire::TokenTree;
 
-use crate::{KvCache, Llama, Logits, ModelConfig, Result, SeqTree};
+use crate::{KvCache, Llama, Logits, ModelConfig, Result, SeqTree, Want};
 
 pub trait TreeModel: Send + Sync {
     /// One sequence's KV cache (in host or device memory).
@@ -21,14 +21,18 @@ pub trait TreeModel: Send + Sync {
     /// Bytes `cache` holds, for memory budgets.
     fn cache_bytes(cache: &Self::Cache) -> usize;
 
-    /// Logits of every node of every sequence's tree, computed in one pass (see
-    /// [`Llama::forward`]); each tree's nodes are left in its cache's scratch region. A
-    /// sequence whose `logits` entry is false (a prompt prefill chunk) needs only its K/V: an
-    /// engine may skip its head and return empty logits for it.
+    /// Bytes one position of a sequence holds (K and V over all layers): what admission
+    /// reserves per position a session may grow to.
+    fn kv_position_bytes(&self) -> usize;
+
+    /// Every sequence's tree in one pass (see [`Llama::forward`]), each giving what its `wants`
+    /// entry asks for; each tree's nodes are left in its cache's scratch region. An engine may
+    /// skip the head of a [`Want::KvOnly`] sequence (empty logits) and give a [`Want::Argmax`]
+    /// sequence only its argmaxes ([`Logits::argmax`]); it may give more than was asked.
     fn forward_trees(
         &self,
         seqs: &mut [(&mut Self::Cache, &TokenTree)],
-        logits: &[bool],
+        wants: &[Want],
     ) -> Result<Vec<Logits>>;
 
     /// Keeps the nodes of `path` (strictly increasing node indices of the last tree) as
@@ -64,16 +68,24 @@ impl TreeModel for Llama {
         cache.bytes()
     }
 
+    /// f32 K and V rows.
+    fn kv_position_bytes(&self) -> usize {
+        let cfg = Llama::config(self);
+        2 * cfg.n_layers * cfg.kv_row() * 4
+    }
+
+    /// The CPU engine computes its head rows on the host anyway: argmax sequences get them all.
     fn forward_trees(
         &self,
         seqs: &mut [(&mut KvCache, &TokenTree)],
-        logits: &[bool],
+        wants: &[Want],
     ) -> Result<Vec<Logits>> {
         let mut batch: Vec<SeqTree> = seqs
             .iter_mut()
             .map(|(cache, tree)| SeqTree::new(cache, tree))
             .collect();
-        self.forward_selected(&mut batch, logits)
+        let heads: Vec<bool> = wants.iter().map(|w| w.head()).collect();
+        self.forward_selected(&mut batch, &heads)
     }
 
     fn keep_path(&self, cache: &mut KvCache, path: &[u32]) -> Result<()> {
@@ -110,10 +122,14 @@ impl TreeModel for crate::cuda::CudaLlama {
         cache.bytes()
     }
 
+    fn kv_position_bytes(&self) -> usize {
+        crate::cuda::CudaLlama::kv_position_bytes(self)
+    }
+
     fn forward_trees(
         &self,
         seqs: &mut [(&mut Self::Cache, &TokenTree)],
-        logits: &[bool],
+        wants: &[Want],
     ) -> Result<Vec<Logits>> {
         let mut batch: Vec<crate::cuda::CudaSeqTree> = seqs
             .iter_mut()
@@ -123,7 +139,7 @@ impl TreeModel for crate::cuda::CudaLlama {
                 first: 0,
             })
             .collect();
-        self.forward_selected(&mut batch, logits)
+        self.forward_wanting(&mut batch, wants)
     }
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> Result<()> {

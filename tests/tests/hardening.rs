@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use specinfer_integration::{chat_ids, service_config, smollm2, API_KEY};
-use specinfer_model::{Logits, ModelConfig, TreeModel};
+use specinfer_model::{Logits, ModelConfig, TreeModel, Want};
 use specinfer_net::{Remote, RemoteError};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::service::{self, ConnectionLimits, ServiceConfig};
@@ -120,14 +120,18 @@ impl TreeModel for Hooked {
         <specinfer_model::Llama as TreeModel>::cache_bytes(cache)
     }
 
+    fn kv_position_bytes(&self) -> usize {
+        self.llm.kv_position_bytes()
+    }
+
     fn forward_trees(
         &self,
         seqs: &mut [(&mut Self::Cache, &TokenTree)],
-        logits: &[bool],
+        wants: &[Want],
     ) -> specinfer_model::Result<Vec<Logits>> {
         let sizes: Vec<usize> = seqs.iter().map(|(_, t)| t.len()).collect();
         (self.on_forward)(&sizes);
-        self.llm.forward_trees(seqs, logits)
+        self.llm.forward_trees(seqs, wants)
     }
 
     fn keep_path(&self, cache: &mut Self::Cache, path: &[u32]) -> specinfer_model::Result<()> {

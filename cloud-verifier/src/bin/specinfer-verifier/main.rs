@@ -125,8 +125,8 @@ struct ServeArgs {
     max_sessions: usize,
     /// KV cache memory for all sessions together, MiB: a session is admitted when what it may
     /// grow to (prompt, max_new_tokens, a tree) fits beside what the admitted ones may grow
-    /// to. On a GPU each session holds the model's whole context from the start (SmolLM2:
-    /// 360 MiB), so raise it there.
+    /// to. On a GPU it is allocated at start, as the pool every session's K/V pages come from
+    /// (one position per page; bf16 K/V by default: SmolLM2 23 KB per position).
     #[arg(long, default_value_t = 4096)]
     kv_budget_mib: usize,
     /// KV cache memory (part of --kv-budget-mib) kept of ended sessions, so a chat's next
@@ -394,9 +394,13 @@ fn serve(args: ServeArgs) -> Result<()> {
             Device::Cpu => service::start(Arc::new(model), &identity, args.listen, cfg)?,
             #[cfg(feature = "cuda")]
             Device::Cuda(ordinal) => {
-                let gpu =
-                    specinfer_model::cuda::CudaLlama::upload(&model, ordinal, args.gpu_precision)
-                        .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
+                let gpu = specinfer_model::cuda::CudaLlama::upload(
+                    &model,
+                    ordinal,
+                    args.gpu_precision,
+                    args.kv_budget_mib << 20,
+                )
+                .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
                 drop(model);
                 tracing::info!(
                     ordinal,
