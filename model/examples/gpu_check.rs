@@ -7,7 +7,8 @@
 //!    Llama and Qwen2 models, interleaved and NEOX RoPE, qkv bias; then the default SSM), f32
 //!    weights and K/V on the GPU: trees up to 100 nodes, a tree grown in two calls (`first > 0`), a
 //!    packed batch of sequences with different committed lengths, compaction (a slot-table
-//!    update), device argmaxes against the host's, and the K/V pool getting every slot back;
+//!    update), device argmaxes against the host's, the K/V pool getting every slot back, and a
+//!    forward replayed from a captured CUDA graph against its kernels launched one by one;
 //! 2. timings on SmolLM2: verification latency against tree size (1..128 nodes) and batch (1..16
 //!    sessions), single-token decode time against the time to read the weights once;
 //! 3. SmolLM2 (bf16 weights and K/V on the GPU, the serving default) against the CPU engine (reported:
@@ -272,6 +273,21 @@ fn exact_checks(r: &mut Report, name: &str, cpu: &Llama, seed: u64) -> Result<()
         ),
         worst <= EXACT,
         format!("max |difference| {worst:.2e}"),
+    );
+    // The same forward with every kernel launched one by one: the same bits as the captured
+    // CUDA graph's (`b`, this shape's first forward, was captured; `c` below replays it).
+    gpu.set_graphs(false);
+    let direct = gpu.forward(&mut seqs).map_err(err)?;
+    gpu.set_graphs(true);
+    let same = b
+        .iter()
+        .zip(&direct)
+        .zip(&shapes)
+        .all(|((g, k), &(_, nodes))| (0..nodes).all(|i| g.node(i) == k.node(i)));
+    r.check(
+        &format!("{name}: a CUDA graph's forward == kernels launched one by one, bit for bit"),
+        same,
+        String::new(),
     );
     // The same forward again (it rewrites the same scratch rows) with logits for a third of the
     // sequences, argmaxes for another, nothing for the rest: the logits are the same bits (the

@@ -15,11 +15,13 @@
 //! cudarc loads the driver at run time and panics when it is missing, so [`CudaLlama::upload`]
 //! checks for it first and returns a clear error on machines without an NVIDIA driver.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use specinfer_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaViewMut, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaViewMut, DevicePtr,
+    DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use specinfer_kernels::cuda::cudarc::nvrtc::Ptx;
 use specinfer_kernels::cuda::{compile_cubin, compile_ptx, nvrtc_version};
@@ -137,6 +139,8 @@ pub struct CudaLlama {
     /// a forward allocates no activation buffers.
     workspace: Mutex<Workspace>,
     kv: KvPool,
+    /// Whether forwards capture and replay CUDA graphs ([`CudaLlama::set_graphs`]).
+    graphs: AtomicBool,
 }
 
 /// Every sequence's K/V: per layer, `[slots, kv_row]` elements of the engine's [`Precision`]
@@ -150,14 +154,35 @@ struct KvPool {
     position_bytes: usize,
 }
 
-/// Activation buffers of a forward over up to `rows` rows.
+/// A forward's inputs and activations, for up to `rows` rows whose ancestor bitsets have up to
+/// `words` words, and the CUDA graphs captured over them (which hold these buffers' addresses).
 #[derive(Default)]
 struct Workspace {
     rows: usize,
+    words: usize,
     bufs: Option<Buffers>,
+    graphs: HashMap<(usize, usize), Graph>,
 }
 
+/// A captured forward's layers. cudarc's graph is not `Send`: CUDA asks that calls on one graph
+/// be serialised, which the workspace's mutex does.
+struct Graph(CudaGraph);
+
+// SAFETY: a Graph is only reached through the workspace's Mutex (one thread at a time).
+unsafe impl Send for Graph {}
+
+/// Captured shapes kept at once; beyond, all are dropped and shapes are captured again.
+const MAX_GRAPHS: usize = 64;
+
 struct Buffers {
+    /// Each row's token, position, its sequence's committed count, its node index in its tree
+    /// and its sequence's slot table (device address); the ancestor bitsets, [rows, words].
+    tokens: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+    committed: CudaSlice<i32>,
+    node: CudaSlice<i32>,
+    tables: CudaSlice<u64>,
+    anc: CudaSlice<u64>,
     /// The residual stream, [rows, d_model].
     x: CudaSlice<f32>,
     /// A norm's output, and each projection back to d_model.
@@ -178,15 +203,25 @@ struct Buffers {
 }
 
 impl Workspace {
-    /// Buffers for `rows` rows, reallocated (to the next power of two) only when they are too
-    /// small.
-    fn fit(&mut self, model: &CudaLlama, rows: usize) -> Result<&mut Buffers> {
-        if self.bufs.is_none() || rows > self.rows {
-            let cap = rows.next_power_of_two();
+    /// Buffers for `rows` rows of `words` ancestor words, reallocated (to the next power of
+    /// two) only when they are too small; the captured graphs go with the old ones.
+    fn fit(&mut self, model: &CudaLlama, rows: usize, words: usize) -> Result<()> {
+        if self.bufs.is_none() || rows > self.rows || words > self.words {
+            let cap = rows.next_power_of_two().max(self.rows);
+            let words_cap = words.next_power_of_two().max(self.words);
             let cfg = &model.cfg;
             let alloc = |n: usize| model.stream.alloc_zeros::<f32>(cap * n).map_err(gpu_err);
+            let ints = || model.stream.alloc_zeros::<i32>(cap).map_err(gpu_err);
+            let words64 = |n: usize| model.stream.alloc_zeros::<u64>(n).map_err(gpu_err);
+            self.graphs.clear();
             self.bufs = None;
             self.bufs = Some(Buffers {
+                tokens: ints()?,
+                positions: ints()?,
+                committed: ints()?,
+                node: ints()?,
+                tables: words64(cap)?,
+                anc: words64(cap * words_cap)?,
                 x: alloc(cfg.d_model)?,
                 h: alloc(cfg.d_model)?,
                 qkv: alloc(cfg.n_heads * cfg.head_dim + 2 * cfg.kv_row())?,
@@ -198,6 +233,7 @@ impl Workspace {
                 ids: model.stream.alloc_zeros::<i32>(cap).map_err(gpu_err)?,
             });
             self.rows = cap;
+            self.words = words_cap;
         }
         let bufs = self.bufs.as_mut().expect("allocated above");
         if Arc::get_mut(&mut bufs.logits).is_none() {
@@ -208,7 +244,7 @@ impl Workspace {
                     .map_err(gpu_err)?,
             );
         }
-        Ok(bufs)
+        Ok(())
     }
 }
 
@@ -351,7 +387,12 @@ impl CudaLlama {
             })?,
             argmax_rows: load("argmax_rows")?,
         };
-        let stream = ctx.default_stream();
+        // One stream of our own (the legacy default stream cannot be captured into a graph),
+        // and no cudarc event tracking: with a single stream every use is ordered already, and
+        // tracking records events around every launch.
+        // SAFETY: every buffer of this engine is allocated, used and freed on this one stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(gpu_err)?;
         let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
         // Projections that read the same input are stacked into one (their outputs side by side
         // in each row: q|k|v, gate|up), so a layer makes four projection launches, not seven.
@@ -436,6 +477,7 @@ impl CudaLlama {
             },
             runtime,
             workspace: Default::default(),
+            graphs: AtomicBool::new(true),
             layers,
             f,
             stream,
@@ -685,6 +727,176 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// Copies `host` into the start of `device`.
+    fn put<T: DeviceRepr>(&self, host: &[T], device: &mut CudaSlice<T>) -> Result<()> {
+        self.stream
+            .memcpy_htod(host, &mut device.slice_mut(..host.len()))
+            .map_err(gpu_err)
+    }
+
+    /// The embeddings and every layer over the workspace's inputs (`rows` nodes, ancestor
+    /// bitsets of `words` words): kernel launches only, no copy and no allocation, so that a
+    /// stream capture can record them.
+    fn launch_layers(&self, ws: &mut Buffers, rows: usize, words: usize) -> Result<()> {
+        let cfg = &self.cfg;
+        let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
+        let d_i = d as i32;
+        // The embeddings: the table's rows of the tokens.
+        // SAFETY: x holds [rows, d]; every token is inside the table (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.f.gather_rows)
+                .arg(&mut ws.x)
+                .arg(&self.embed)
+                .arg(&ws.tokens)
+                .arg(&d_i)
+                .launch(per_row(rows, 0))
+        }
+        .map_err(gpu_err)?;
+        let (words_i, nodes_i) = (words as i32, rows as i32);
+        let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
+        let kv_row_i = kv_row as i32;
+        // Each row of the stacked projection: q (q_row floats), then k and v (kv_row each).
+        let q_row = cfg.n_heads * hd;
+        let qkv_row = q_row + 2 * kv_row;
+        let qkv_row_i = qkv_row as i32;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            // The layer's pools, written by the K/V store (through the slots the tables give).
+            let (k_pool, _k_sync) = self.kv.k[li].device_ptr(&self.stream);
+            let (v_pool, _v_sync) = self.kv.v[li].device_ptr(&self.stream);
+            self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
+            self.linear(&ws.h, rows, &layer.qkv, &mut ws.qkv)?;
+            self.rope(
+                &mut ws.qkv.slice_mut(..),
+                qkv_row,
+                &ws.positions,
+                rows,
+                cfg.n_heads,
+            )?;
+            self.rope(
+                &mut ws.qkv.slice_mut(q_row..),
+                qkv_row,
+                &ws.positions,
+                rows,
+                cfg.n_kv_heads,
+            )?;
+            // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
+            // node n to the slot its table gives position committed[n] + node_in_tree[n].
+            // SAFETY: one block per node; its k and v are kv_row floats at q_row and q_row +
+            // kv_row of its q | k | v row; every table holds committed + tree slots of the pool
+            // (placed above).
+            unsafe {
+                self.stream
+                    .launch_builder(&self.f.store_kv)
+                    .arg(&k_pool)
+                    .arg(&v_pool)
+                    .arg(&ws.tables)
+                    .arg(&ws.committed)
+                    .arg(&ws.node)
+                    .arg(&ws.qkv.slice(q_row..))
+                    .arg(&ws.qkv.slice(q_row + kv_row..))
+                    .arg(&qkv_row_i)
+                    .arg(&kv_row_i)
+                    .launch(per_row(rows, 0))
+            }
+            .map_err(gpu_err)?;
+            let warps = (rows * cfg.n_heads) as u32;
+            // SAFETY: one warp per (node, head); every pointer and index was built above for
+            // exactly these nodes; tables hold committed + tree slots of the pool.
+            unsafe {
+                self.stream
+                    .launch_builder(&self.f.tree_attention)
+                    .arg(&mut ws.attn)
+                    .arg(&ws.qkv)
+                    .arg(&qkv_row_i)
+                    .arg(&k_pool)
+                    .arg(&v_pool)
+                    .arg(&ws.tables)
+                    .arg(&ws.committed)
+                    .arg(&ws.node)
+                    .arg(&ws.anc)
+                    .arg(&words_i)
+                    .arg(&nodes_i)
+                    .arg(&heads_i)
+                    .arg(&kvh_i)
+                    .arg(&hd_i)
+                    .arg(&scale)
+                    .launch(LaunchConfig {
+                        grid_dim: (warps.div_ceil(4), 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+            }
+            .map_err(gpu_err)?;
+            self.linear(&ws.attn, rows, &layer.o, &mut ws.h)?;
+            self.add_into(&mut ws.x, &ws.h, rows * d)?;
+            self.rms_norm(&ws.x, rows, &layer.ffn_norm, &mut ws.h)?;
+            self.linear(&ws.h, rows, &layer.gate_up, &mut ws.gate_up)?;
+            let n = (rows * cfg.ffn_dim) as u64;
+            let ffn_i = cfg.ffn_dim as i32;
+            // SAFETY: g holds n floats, gate_up rows * 2 * ffn_dim.
+            unsafe {
+                self.stream
+                    .launch_builder(&self.f.swiglu)
+                    .arg(&mut ws.g)
+                    .arg(&ws.gate_up)
+                    .arg(&ffn_i)
+                    .arg(&n)
+                    .launch(elementwise(n as usize))
+            }
+            .map_err(gpu_err)?;
+            self.linear(&ws.g, rows, &layer.down, &mut ws.h)?;
+            self.add_into(&mut ws.x, &ws.h, rows * d)?;
+        }
+        Ok(())
+    }
+
+    /// [`CudaLlama::launch_layers`], through a CUDA graph per (rows, words): captured the first
+    /// time a shape comes, replayed after (one launch for some 300). A capture that fails turns
+    /// graphs off for the engine, with a warning; the kernels then launch one by one.
+    fn run_layers(&self, ws: &mut Workspace, rows: usize, words: usize) -> Result<()> {
+        use specinfer_kernels::cuda::cudarc::driver::sys;
+        let bufs = ws.bufs.as_mut().expect("fit allocates");
+        if !self.graphs.load(Ordering::Relaxed) {
+            return self.launch_layers(bufs, rows, words);
+        }
+        if let Some(graph) = ws.graphs.get(&(rows, words)) {
+            return graph.0.launch().map_err(gpu_err);
+        }
+        if ws.graphs.len() >= MAX_GRAPHS {
+            ws.graphs.clear();
+        }
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(gpu_err)?;
+        let launched = self.launch_layers(bufs, rows, words);
+        let captured = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        match (launched, captured) {
+            (Ok(()), Ok(Some(graph))) => {
+                graph.launch().map_err(gpu_err)?;
+                ws.graphs.insert((rows, words), Graph(graph));
+                Ok(())
+            }
+            (launched, captured) => {
+                let why = match (launched, captured) {
+                    (Err(e), _) => e.to_string(),
+                    (_, Err(e)) => e.to_string(),
+                    _ => "the capture recorded no graph".to_string(),
+                };
+                tracing::warn!(%why, "CUDA graph capture failed; launching kernels one by one");
+                self.graphs.store(false, Ordering::Relaxed);
+                self.launch_layers(bufs, rows, words)
+            }
+        }
+    }
+
+    /// Whether forwards replay captured CUDA graphs (the default) or launch every kernel:
+    /// both compute the same bits; the checks compare them.
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, Ordering::Relaxed);
+    }
+
     /// Runs every sequence's tree in one pass, as [`Llama::forward`], with every node's logits.
     pub fn forward(&self, seqs: &mut [CudaSeqTree<'_>]) -> Result<Vec<Logits>> {
         self.forward_wanting(seqs, &vec![Want::Logits; seqs.len()])
@@ -701,7 +913,7 @@ impl CudaLlama {
     ) -> Result<Vec<Logits>> {
         assert_eq!(wants.len(), seqs.len(), "one want per sequence");
         let cfg = &self.cfg;
-        let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
+        let d = cfg.d_model;
         // Token ids as the embedding table's row indices.
         let mut tokens: Vec<i32> = Vec::new();
         let mut positions: Vec<i32> = Vec::new();
@@ -755,125 +967,22 @@ impl CudaLlama {
             let (table, _sync) = s.cache.device_table.device_ptr(&self.stream);
             tables.extend(std::iter::repeat_n(table, s.tree.len() - s.first));
         }
-        let d_tables = self.stream.clone_htod(&tables).map_err(gpu_err)?;
-        let up_i32 = |v: &[i32]| self.stream.clone_htod(v).map_err(gpu_err);
-        let d_tokens = self.stream.clone_htod(&tokens).map_err(gpu_err)?;
-        let d_positions = up_i32(&positions)?;
-        let d_committed = up_i32(&committed)?;
-        let d_node = up_i32(&node_in_tree)?;
-        let d_anc = self.stream.clone_htod(&anc_words).map_err(gpu_err)?;
 
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
-        let ws = guard.fit(self, rows)?;
+        let ws: &mut Workspace = &mut guard;
+        ws.fit(self, rows, words)?;
         let d_i = d as i32;
-        // The embeddings: the table's rows of the tokens.
-        // SAFETY: x holds [rows, d]; every token is inside the table (checked above).
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.gather_rows)
-                .arg(&mut ws.x)
-                .arg(&self.embed)
-                .arg(&d_tokens)
-                .arg(&d_i)
-                .launch(per_row(rows, 0))
-        }
-        .map_err(gpu_err)?;
-        let (words_i, nodes_i) = (words as i32, rows as i32);
-        let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
-        let kv_row_i = kv_row as i32;
-        // Each row of the stacked projection: q (q_row floats), then k and v (kv_row each).
-        let q_row = cfg.n_heads * hd;
-        let qkv_row = q_row + 2 * kv_row;
-        let qkv_row_i = qkv_row as i32;
-        let scale = 1.0 / (hd as f32).sqrt();
-        for (li, layer) in self.layers.iter().enumerate() {
-            // The layer's pools, written by the K/V store (through the slots the tables give).
-            let (k_pool, _k_sync) = self.kv.k[li].device_ptr(&self.stream);
-            let (v_pool, _v_sync) = self.kv.v[li].device_ptr(&self.stream);
-            self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.qkv, &mut ws.qkv)?;
-            self.rope(
-                &mut ws.qkv.slice_mut(..),
-                qkv_row,
-                &d_positions,
-                rows,
-                cfg.n_heads,
-            )?;
-            self.rope(
-                &mut ws.qkv.slice_mut(q_row..),
-                qkv_row,
-                &d_positions,
-                rows,
-                cfg.n_kv_heads,
-            )?;
-            // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
-            // node n to the slot its table gives position committed[n] + node_in_tree[n].
-            // SAFETY: one block per node; its k and v are kv_row floats at q_row and q_row +
-            // kv_row of its q | k | v row; every table holds committed + tree slots of the pool
-            // (placed above).
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.store_kv)
-                    .arg(&k_pool)
-                    .arg(&v_pool)
-                    .arg(&d_tables)
-                    .arg(&d_committed)
-                    .arg(&d_node)
-                    .arg(&ws.qkv.slice(q_row..))
-                    .arg(&ws.qkv.slice(q_row + kv_row..))
-                    .arg(&qkv_row_i)
-                    .arg(&kv_row_i)
-                    .launch(per_row(rows, 0))
-            }
-            .map_err(gpu_err)?;
-            let warps = (rows * cfg.n_heads) as u32;
-            // SAFETY: one warp per (node, head); every pointer and index was built above for
-            // exactly these nodes; tables hold committed + tree slots of the pool.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.tree_attention)
-                    .arg(&mut ws.attn)
-                    .arg(&ws.qkv)
-                    .arg(&qkv_row_i)
-                    .arg(&k_pool)
-                    .arg(&v_pool)
-                    .arg(&d_tables)
-                    .arg(&d_committed)
-                    .arg(&d_node)
-                    .arg(&d_anc)
-                    .arg(&words_i)
-                    .arg(&nodes_i)
-                    .arg(&heads_i)
-                    .arg(&kvh_i)
-                    .arg(&hd_i)
-                    .arg(&scale)
-                    .launch(LaunchConfig {
-                        grid_dim: (warps.div_ceil(4), 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            }
-            .map_err(gpu_err)?;
-            self.linear(&ws.attn, rows, &layer.o, &mut ws.h)?;
-            self.add_into(&mut ws.x, &ws.h, rows * d)?;
-            self.rms_norm(&ws.x, rows, &layer.ffn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.gate_up, &mut ws.gate_up)?;
-            let n = (rows * cfg.ffn_dim) as u64;
-            let ffn_i = cfg.ffn_dim as i32;
-            // SAFETY: g holds n floats, gate_up rows * 2 * ffn_dim.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.swiglu)
-                    .arg(&mut ws.g)
-                    .arg(&ws.gate_up)
-                    .arg(&ffn_i)
-                    .arg(&n)
-                    .launch(elementwise(n as usize))
-            }
-            .map_err(gpu_err)?;
-            self.linear(&ws.g, rows, &layer.down, &mut ws.h)?;
-            self.add_into(&mut ws.x, &ws.h, rows * d)?;
-        }
+        // The batch's inputs into the workspace's, then every layer (replaying a CUDA graph of
+        // them when one was captured for this shape).
+        let b = ws.bufs.as_mut().expect("fit allocates");
+        self.put(&tokens, &mut b.tokens)?;
+        self.put(&positions, &mut b.positions)?;
+        self.put(&committed, &mut b.committed)?;
+        self.put(&node_in_tree, &mut b.node)?;
+        self.put(&tables, &mut b.tables)?;
+        self.put(&anc_words, &mut b.anc)?;
+        self.run_layers(ws, rows, words)?;
+        let ws = ws.bufs.as_mut().expect("fit allocates");
         // The rows of the sequences that want the head.
         let mut wanted: Vec<i32> = Vec::with_capacity(rows);
         let mut start = 0;
