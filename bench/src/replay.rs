@@ -174,6 +174,7 @@ impl MeasuredCosts {
                 accepted: v.accepted_nodes.len(),
                 draft_s: 0.0,
                 round_s,
+                queue_s: v.stats.queue_us as f64 * 1e-6,
                 forward_s: v.stats.forward_us as f64 * 1e-6,
             },
             0,

@@ -31,6 +31,7 @@ impl DraftedPart {
         accepted_nodes: &[u32],
         draft_s: f64,
         round_s: f64,
+        queue_s: f64,
         forward_s: f64,
     ) -> RoundObservation {
         RoundObservation {
@@ -43,6 +44,7 @@ impl DraftedPart {
                 .count(),
             draft_s,
             round_s,
+            queue_s,
             forward_s,
         }
     }
@@ -62,6 +64,9 @@ pub struct RoundObservation {
     pub draft_s: f64,
     /// Seconds from sending the tree to having the answer (network + queue + forward).
     pub round_s: f64,
+    /// Seconds the tree waited at the verifier for a place in a forward (from the round's
+    /// stats).
+    pub queue_s: f64,
     /// Seconds the verifier spent in its forward pass (from the round's stats).
     pub forward_s: f64,
 }
@@ -71,7 +76,7 @@ pub struct RoundObservation {
 /// * acceptance: the chance a drafted token at depth d is accepted given depth d-1 was, counted
 ///   per depth (with a prior of 1 success in 2, and a depth never tried assumed as good as the
 ///   one above it, so the controller keeps exploring);
-/// * cost: drafting time per level and the fixed part of a round (round trip, queueing) as
+/// * cost: drafting time per level and the fixed part of a round (round trip, client work) as
 ///   moving averages; verification time as an affine function of the tree's node count, fitted
 ///   by decayed least squares (a forward over N nodes costs far less than N forwards, so a
 ///   per-node cost would flatter shallow trees).
@@ -187,7 +192,14 @@ impl DepthController {
         } else {
             0
         };
-        self.fixed = ema(self.fixed, (o.round_s - o.forward_s).max(0.0), self.rounds);
+        // The verifier's queueing is left out: it is other sessions' work, which a larger tree
+        // does not save. Counted, it made trees grow exactly when the verifier had no room (the
+        // queue grows, each token looks worth more, trees grow, the queue grows).
+        self.fixed = ema(
+            self.fixed,
+            (o.round_s - o.forward_s - o.queue_s).max(0.0),
+            self.rounds,
+        );
         self.rounds += 1;
     }
 
@@ -354,5 +366,43 @@ impl DraftAttempts {
         self.count < Self::MIN_COUNT
             || self.tokens / self.seconds >= 1.0 / plain_seconds
             || self.since_last + 1 >= PLAIN_EXPLORE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A controller after rounds of a 4-node tree: a 2 ms round trip, a 10 ms forward, and
+    /// `queue_s` spent waiting at the verifier for a place in a forward.
+    fn measured(queue_s: f64) -> DepthController {
+        let mut c = DepthController::new(0);
+        for _ in 0..20 {
+            c.observe(
+                RoundObservation {
+                    tree_depth: 2,
+                    tree_nodes: 4,
+                    drafted_nodes: 4,
+                    accepted: 1,
+                    draft_s: 0.0,
+                    round_s: 0.002 + queue_s + 0.010,
+                    queue_s,
+                    forward_s: 0.010,
+                },
+                0,
+            );
+        }
+        c
+    }
+
+    #[test]
+    fn waiting_in_a_busy_verifiers_queue_does_not_make_nodes_worth_more() {
+        let path_p = [0.6, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05];
+        let idle = measured(0.0).growth_costs(1.0).unwrap();
+        let busy = measured(0.050).growth_costs(1.0).unwrap();
+        assert!((idle.fixed - 0.002).abs() < 1e-9, "{}", idle.fixed);
+        assert!((busy.fixed - 0.002).abs() < 1e-9, "{}", busy.fixed);
+        assert_eq!(idle.paying_prefix(&path_p), 2);
+        assert_eq!(busy.paying_prefix(&path_p), 2);
     }
 }

@@ -171,7 +171,14 @@ impl AdaptiveLookup {
     /// What came of the tree [`AdaptiveLookup::extend`] returned last: the tokens the round
     /// committed (accepted drafts, then the LLM's own), and the round's measured costs
     /// (`tree_nodes` and the times as in [`RoundObservation`]).
-    pub fn observe(&mut self, committed: &[u32], tree_nodes: usize, round_s: f64, forward_s: f64) {
+    pub fn observe(
+        &mut self,
+        committed: &[u32],
+        tree_nodes: usize,
+        round_s: f64,
+        queue_s: f64,
+        forward_s: f64,
+    ) {
         let Some(chain) = self.sent.take() else {
             return;
         };
@@ -191,6 +198,7 @@ impl AdaptiveLookup {
                 accepted,
                 draft_s: 0.0,
                 round_s,
+                queue_s,
                 forward_s,
             },
             0,
@@ -295,7 +303,7 @@ mod tests {
             let chain = tree.len() - 1;
             // Verification costs 1 ms per node on top of 4 ms, no round trip.
             let forward = 0.004 + 0.001 * tree.len() as f64;
-            adaptive.observe(kept, tree.len(), forward, forward);
+            adaptive.observe(kept, tree.len(), forward, 0.0, forward);
             chain
         };
         // The LLM never keeps a copied token: the chain goes, but is tried now and then.
@@ -321,7 +329,7 @@ mod tests {
         let mut idle = AdaptiveLookup::new(ContextLookup::default());
         let tree = idle.extend(TokenTree::root(5), &[1, 2, 3, 4, 5], 64, false);
         assert_eq!(tree.len(), 1);
-        idle.observe(&[0], 1, 0.005, 0.005);
+        idle.observe(&[0], 1, 0.005, 0.0, 0.005);
         assert_eq!(idle.depth.best_depth(), 6);
     }
 }

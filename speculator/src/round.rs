@@ -362,11 +362,13 @@ impl<'a> RoundDriver<'a> {
         }
         let round_s = (now - sent.sent_at).max(0.0);
         let forward_s = v.stats.forward_us as f64 * 1e-6;
+        let queue_s = v.stats.queue_us as f64 * 1e-6;
         let observed = sent.drafted.observation(
             sent.tree_nodes,
             &v.accepted_nodes,
             sent.draft_s,
             round_s,
+            queue_s,
             forward_s,
         );
         self.stats.lookup_accepted += v.accepted_nodes.len().saturating_sub(observed.accepted);
@@ -385,7 +387,7 @@ impl<'a> RoundDriver<'a> {
         self.node_cap = (v.stats.node_cap > 0).then_some(v.stats.node_cap as usize);
         if let Some(Lookup::Adaptive(lookup)) = &mut self.lookup {
             lookup.set_node_price(node_price);
-            lookup.observe(&v.tokens, sent.tree_nodes, round_s, forward_s);
+            lookup.observe(&v.tokens, sent.tree_nodes, round_s, queue_s, forward_s);
         }
         if let Some(d) = &mut self.drafter {
             d.speculator.set_node_price(node_price);

@@ -154,6 +154,7 @@ fn round(
         accepted: good.min(depth),
         draft_s: per_level * depth as f64,
         round_s: fixed + per_node * (depth + 1) as f64,
+        queue_s: 0.0,
         forward_s: per_node * (depth + 1) as f64,
     }
 }
@@ -219,6 +220,7 @@ fn the_adaptive_depth_follows_acceptance_and_costs() {
                 accepted,
                 draft_s: 0.0005 * depth as f64,
                 round_s: 0.004 + 0.0003 * depth as f64,
+                queue_s: 0.0,
                 forward_s: 0.004 + 0.0003 * depth as f64,
             },
             depth,
@@ -277,7 +279,7 @@ fn plain_rounds_do_not_draft(shape: TreeShape) {
         };
         let forward_s = 0.05 * tree.len() as f64;
         s.observe(
-            DraftedPart::of(&tree).observation(tree.len(), &[], draft_s, forward_s, forward_s),
+            DraftedPart::of(&tree).observation(tree.len(), &[], draft_s, forward_s, 0.0, forward_s),
             &[],
         );
         (drafting, tree.len(), model.calls - before)
@@ -357,6 +359,7 @@ fn adaptive_dynamic_nodes(good: usize, fixed: f64, per_node: f64, per_forward: f
                 &accepted,
                 draft,
                 fixed + forward,
+                0.0,
                 forward,
             ),
             &accepted,
@@ -427,7 +430,7 @@ fn sampled_dynamic_trees_learn_which_draws_the_verifier_accepts() {
         let tree = s.draft(&mut Toy, &[1, 2, 4 + i % 30]).unwrap();
         let accepted = best_path(&tree, usize::MAX);
         s.observe(
-            DraftedPart::of(&tree).observation(tree.len(), &accepted, 0.001, 0.01, 0.005),
+            DraftedPart::of(&tree).observation(tree.len(), &accepted, 0.001, 0.01, 0.0, 0.005),
             &accepted,
         );
     }
