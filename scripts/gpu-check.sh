@@ -48,3 +48,14 @@ if [ "$(echo "$gpu" | ids)" = "$(echo "$cpu" | ids)" ]; then
 else
   echo "GPU service answer differs from the CPU answer (greedy; a near-tie between the two engines' logits can do this)"
 fi
+# Sampled through the GPU service: the default tree's draws verified by the device's walk
+# (sample_walk); a walk that fails falls back to the host and says so in the verifier's log.
+sampled=$("$client" generate --server 127.0.0.1:4433 --pin "$pin" --max-tokens 64 --json \
+  --mode sample --seed 7 --prompt "$prompt")
+echo "GPU service, sampled: $sampled"
+if grep -q "sampled verification on the device failed" "$log"; then
+  grep "sampled verification on the device failed" "$log" | head -3
+  echo "the device's sampled verification failed (the host walked instead)" >&2
+  exit 1
+fi
+echo "GPU service sampled with the device's walk"

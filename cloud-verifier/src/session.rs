@@ -2,10 +2,10 @@
 //! the session's own RNG. The QUIC service and the in-process (embedded) verifier both drive it,
 //! on any [`TreeModel`] (the CPU engine by default, a GPU's with the `cuda` feature).
 
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use specinfer_kernels::sampling::distribution;
-use specinfer_model::{Llama, ModelError, TreeModel, Want};
+use specinfer_model::{Llama, ModelError, SampleWalk, TreeModel, Want};
 use specinfer_wire::{
     FeatureRows, FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified,
     VerifyMode, PROMPT_FEATURE_ROWS,
@@ -325,8 +325,37 @@ impl<M: TreeModel> Session<M> {
             |n: usize| distribution(logits.node(n), p.temperature, p.top_k as usize, p.top_p);
         match p.mode {
             VerifyMode::Greedy => verify_greedy(tree, |n| logits.argmax(n)),
-            VerifyMode::Stochastic => verify_stochastic(tree, dist, &mut rng),
+            VerifyMode::Stochastic => match self.walk_on_device(tree, logits, &rng) {
+                Some(verdict) => verdict,
+                None => verify_stochastic(tree, dist, &mut rng),
+            },
             VerifyMode::Naive => verify_naive_sampling(tree, dist, &mut rng),
+        }
+    }
+
+    /// The stochastic verdict from the device that holds the logits (the GPU engine), with the
+    /// uniforms `rng` would give the host's walk, in its order; `None` where the rows are on the
+    /// host, the device cannot walk them, or top-k applies (the device's distribution is
+    /// temperature and top-p only): the host then walks.
+    fn walk_on_device(
+        &self,
+        tree: &TokenTree,
+        logits: &specinfer_model::Logits,
+        rng: &ChaCha8Rng,
+    ) -> Option<Verdict> {
+        let p = &self.params;
+        if p.top_k > 0 || !logits.is_on_device() {
+            return None;
+        }
+        let mut rng = rng.clone();
+        let uniforms = (0..tree.len()).map(|_| rng.random::<f64>()).collect();
+        let walk = SampleWalk::new(tree, p.temperature, p.top_p, uniforms)?;
+        match logits.walk_on_device(&walk)? {
+            Ok(out) => Some(Verdict::from_walk(out)),
+            Err(e) => {
+                tracing::warn!(error = %e, "sampled verification on the device failed; on the host");
+                None
+            }
         }
     }
 }

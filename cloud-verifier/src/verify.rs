@@ -43,6 +43,21 @@ impl Verdict {
         t
     }
 
+    /// The verdict of a walk the device made ([`specinfer_model::SampleWalk`]), its statistics
+    /// recorded as the host's walk records them (a depth only where a child was tried).
+    pub fn from_walk(walk: specinfer_model::WalkOutcome) -> Verdict {
+        let mut v = empty_verdict();
+        for (d, &rejected) in walk.rejected_at_depth.iter().enumerate() {
+            let accepted = u32::from(d < walk.accepted.len());
+            if accepted + rejected > 0 {
+                v.record(d + 1, accepted, rejected);
+            }
+        }
+        v.accepted = walk.accepted;
+        v.next_token = walk.next_token;
+        v
+    }
+
     fn record(&mut self, depth: usize, accepted: u32, rejected: u32) {
         if self.accepted_at_depth.len() < depth {
             self.accepted_at_depth.resize(depth, 0);
@@ -184,5 +199,31 @@ pub fn verify_stochastic(
         }
         v.next_token = sample(&p, rng.random::<f64>()) as u32;
         return v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_walk_records_its_depths_as_the_host_walk_does() {
+        // Two accepted nodes after one rejection at depth 1; three children rejected at depth 3.
+        let v = Verdict::from_walk(specinfer_model::WalkOutcome {
+            accepted: vec![2, 5],
+            next_token: 9,
+            rejected_at_depth: vec![1, 0, 3],
+        });
+        assert_eq!((v.accepted, v.next_token), (vec![2, 5], 9));
+        assert_eq!(v.accepted_at_depth, vec![1, 1, 0]);
+        assert_eq!(v.rejected_at_depth, vec![1, 0, 3]);
+        // A leaf reached: its depth tried no child, so the host records nothing there.
+        let leaf = Verdict::from_walk(specinfer_model::WalkOutcome {
+            accepted: vec![1],
+            next_token: 4,
+            rejected_at_depth: vec![0, 0],
+        });
+        assert_eq!(leaf.accepted_at_depth, vec![1]);
+        assert_eq!(leaf.rejected_at_depth, vec![0]);
     }
 }

@@ -315,15 +315,12 @@ __device__ float block_sum(float* part, float v) {
     return r;
 }
 
-// Verification distributions: probs[r, :] = softmax(logits[r, :] / temperature), then, when
+// A verification distribution, block-wide: p[0..vocab) = softmax(x / temperature), then, when
 // top_p < 1, only the most likely tokens whose mass reaches top_p are kept (the smallest
 // probability threshold found by bisection; the rest become 0) and the row is renormalised.
-// One block per row; dynamic shared memory of blockDim.x floats.
-extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int vocab,
-                                         float inv_temperature, float top_p) {
-    extern __shared__ float part[];
-    const float* x = logits + (size_t)blockIdx.x * vocab;
-    float* p = probs + (size_t)blockIdx.x * vocab;
+// `part` is blockDim.x floats of shared memory.
+__device__ void distribution_row(float* p, const float* x, int vocab, float inv_temperature,
+                                 float top_p, float* part) {
     float mx = NEG_INF;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, x[i] * inv_temperature);
     mx = block_max(part, mx);
@@ -350,4 +347,147 @@ extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int 
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) kept += p[i] >= lo ? p[i] : 0.0f;
     kept = block_sum(part, kept);
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = p[i] >= lo ? p[i] / kept : 0.0f;
+    __syncthreads();
+}
+
+// Verification distributions of whole rows: probs[r, :] from logits[r, :] (distribution_row).
+// One block per row; dynamic shared memory of blockDim.x floats.
+extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int vocab,
+                                         float inv_temperature, float top_p) {
+    extern __shared__ float part[];
+    distribution_row(probs + (size_t)blockIdx.x * vocab, logits + (size_t)blockIdx.x * vocab,
+                     vocab, inv_temperature, top_p, part);
+}
+
+// Sampled verification of one sequence's tree on the device: multi-step speculative sampling
+// (children drawn i.i.d.) or recursive rejection sampling (drawn without replacement), the host's
+// verify_stochastic step for step, with the uniforms the host drew from the session's RNG in the
+// order the host would use them (one per child tried, then one for the emitted token), so only the
+// logits rows' distributions are computed here and nothing but the verdict crosses to the host.
+// logits: the tree's rows [n, vocab] (a full vocabulary head). The tree: node i's children, in draw
+// order, are kids[kid_start[i] .. kid_start[i + 1]); token[i]; node i >= 1 was drawn from proposal
+// drawn_from[i], whose support is q_ids / q_probs[q_start[d] .. q_start[d + 1]); n nodes. p: 2 *
+// vocab floats of scratch (the distribution, then the values a residual update overwrote). out
+// (2 + 2n + 1 ints): the number A of accepted nodes, the emitted token, n slots of which the first
+// A are the accepted nodes, then the children rejected at each depth 1 ..= A + 1. One block of
+// WALK_THREADS threads; dynamic shared memory of WALK_THREADS floats.
+#define WALK_THREADS 256
+
+// Whether token t was drawn from proposal d by one of node's children before its k-th (a draw
+// without replacement removes it from what the later ones were drawn from).
+__device__ bool drawn_before(const int* kid_start, const int* kids, const int* token,
+                             const int* drawn_from, int node, int k, int d, int t) {
+    for (int e = kid_start[node]; e < k; e++)
+        if (drawn_from[kids[e]] == d && token[kids[e]] == t) return true;
+    return false;
+}
+
+extern "C" __global__ void sample_walk(int* out, const float* logits, int vocab,
+                                       const int* kid_start, const int* kids, const int* token,
+                                       const int* drawn_from, const int* q_start, const int* q_ids,
+                                       const float* q_probs, int without_replacement, int n,
+                                       const double* u, float inv_temperature, float top_p,
+                                       float* p) {
+    extern __shared__ float part[];
+    __shared__ double chunk[WALK_THREADS];
+    __shared__ int s_accept, s_drew;
+    float* saved = p + vocab;
+    int node = 0, ui = 0, accepted = 0, depth = 0;
+    for (;;) {
+        distribution_row(p, logits + (size_t)node * vocab, vocab, inv_temperature, top_p, part);
+        depth++;
+        int rejected = 0, next = -1;
+        for (int k = kid_start[node]; k < kid_start[node + 1]; k++) {
+            const int c = kids[k], d = drawn_from[c], x = token[c];
+            const int q0 = q_start[d], q1 = q_start[d + 1];
+            if (threadIdx.x == 0) {
+                // q' = proposal d without the tokens its earlier draws at this node took.
+                float removed = 0.0f, qx = 0.0f;
+                for (int j = q0; j < q1; j++) {
+                    const bool taken = without_replacement &&
+                        drawn_before(kid_start, kids, token, drawn_from, node, k, d, q_ids[j]);
+                    if (taken) removed += q_probs[j];
+                    else if (q_ids[j] == x) qx = q_probs[j];
+                }
+                const float scale = without_replacement ? 1.0f / (1.0f - removed) : 1.0f;
+                qx *= scale;
+                // Accept with min(1, p(x) / q'(x)); q'(x) > 0 since x was drawn from q' (where
+                // rounding made it 0, no uniform is used, as on the host).
+                s_drew = qx > 0.0f;
+                s_accept = s_drew && u[ui] * (double)qx < (double)p[x];
+                if (!s_accept) {
+                    // Residual p <- norm(max(0, p - q')) on q's support; old values saved.
+                    for (int j = q0; j < q1; j++) {
+                        const bool taken = without_replacement &&
+                            drawn_before(kid_start, kids, token, drawn_from, node, k, d, q_ids[j]);
+                        saved[j - q0] = p[q_ids[j]];
+                        if (!taken) p[q_ids[j]] = fmaxf(p[q_ids[j]] - q_probs[j] * scale, 0.0f);
+                    }
+                }
+            }
+            __syncthreads();
+            ui += s_drew;
+            if (s_accept) {
+                next = c;
+                break;
+            }
+            rejected++;
+            float total = 0.0f;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) total += p[i];
+            total = block_sum(part, total);
+            if (total > 0.0f) {
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] /= total;
+            } else if (threadIdx.x == 0) {
+                // Only reachable through rounding when p == q': keep p as it was.
+                for (int j = q0; j < q1; j++) p[q_ids[j]] = saved[j - q0];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) out[2 + n + depth - 1] = rejected;
+        if (next < 0) break;
+        if (threadIdx.x == 0) out[2 + accepted] = next;
+        accepted++;
+        node = next;
+    }
+    // The emitted token: inverse-CDF draw from p (the host's `sample`: never a token of
+    // probability 0; the last such token when rounding leaves the target past the total).
+    const int per = (vocab + blockDim.x - 1) / blockDim.x;
+    const int lo = threadIdx.x * per, hi = min(vocab, lo + per);
+    double mass = 0.0;
+    for (int i = lo; i < hi; i++) mass += p[i] > 0.0f ? (double)p[i] : 0.0;
+    chunk[threadIdx.x] = mass;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (int t = 0; t < (int)blockDim.x; t++) total += chunk[t];
+        const double target = u[ui] * total;
+        double acc = 0.0;
+        int pick = -1, last = 0;
+        for (int t = 0; t < (int)blockDim.x && pick < 0; t++) {
+            if (target >= acc + chunk[t]) {
+                acc += chunk[t];
+                continue;
+            }
+            const int c0 = t * per, c1 = min(vocab, c0 + per);
+            for (int i = c0; i < c1; i++) {
+                if (p[i] > 0.0f) {
+                    acc += (double)p[i];
+                    if (target < acc) {
+                        pick = i;
+                        break;
+                    }
+                }
+            }
+        }
+        if (pick < 0) {
+            for (int i = vocab - 1; i >= 0; i--)
+                if (p[i] > 0.0f) {
+                    last = i;
+                    break;
+                }
+            pick = last;
+        }
+        out[0] = accepted;
+        out[1] = pick;
+    }
 }

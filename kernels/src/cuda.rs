@@ -27,6 +27,7 @@ pub const KERNELS: &[&str] = &[
     "tree_attention_bf16",
     "argmax_rows",
     "softmax_top_p",
+    "sample_walk",
 ];
 
 /// Whether NVRTC can be loaded in this process.

@@ -580,6 +580,10 @@ fn main() {
             Ok(())
         },
     );
+    r.section(
+        "SmolLM2: sampled verification on the device keeps the LLM's distribution (asserted)",
+        |r| walk_check(r, &gpu, &prompt),
+    );
     r.section("SmolLM2: greedy speculative vs incremental on the GPU", |r| {
         let ssm = Llama::from_safetensors(std::path::Path::new("models/ssm")).map_err(err)?;
         let (inc, inc_gaps, inc_rounds) = generate(&gpu, &prompt, 64, None)?;
@@ -600,6 +604,101 @@ fn main() {
         Ok(())
     });
     finish(r);
+}
+
+/// The device's sampled verification (`sample_walk`) against the property it must keep: over
+/// trees whose root children are drawn without replacement from a proposal q unlike the LLM's
+/// p, the first token emitted is distributed as p. 1,000 trees, each drawn, forwarded and walked
+/// with fresh uniforms; a chi-square statistic over the tokens expected 5 times or more (the rest
+/// pooled) must stay within df + 4 sqrt(2 df).
+fn walk_check(r: &mut Report, gpu: &CudaLlama, prompt: &[u32]) -> Result<(), String> {
+    use specinfer_wire::{DrawMode, Proposals, SparseDist};
+    const TRIALS: usize = 1000;
+    let (temperature, top_p) = (0.8f32, 1.0f32);
+    let mut cache = gpu.new_cache().map_err(err)?;
+    prefill_gpu(gpu, &mut cache, &prompt[..prompt.len() - 1]);
+    let root = *prompt.last().unwrap();
+    let mut forward = |tree: &TokenTree| -> Result<Logits, String> {
+        let mut out = gpu
+            .forward(&mut [CudaSeqTree {
+                cache: &mut cache,
+                tree,
+                first: 0,
+            }])
+            .map_err(err)?;
+        Ok(out.remove(0))
+    };
+    let p = specinfer_kernels::sampling::distribution(
+        forward(&TokenTree::root(root))?.node(0),
+        temperature,
+        0,
+        top_p,
+    );
+    // q: uniform over p's 8 likeliest tokens, so that rejections and residuals decide often.
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let q_ids: Vec<u32> = order[..8].iter().map(|&t| t as u32).collect();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let mut counts = vec![0usize; p.len()];
+    let mut failures = 0;
+    for _ in 0..TRIALS {
+        let mut pool = q_ids.clone();
+        let mut tree = TokenTree::root(root);
+        for _ in 0..3 {
+            let x = pool.swap_remove(rng.random_range(0..pool.len()));
+            tree.push(0, x);
+        }
+        let tree = tree
+            .with_proposals(Proposals {
+                mode: DrawMode::WithoutReplacement,
+                dists: vec![SparseDist {
+                    node: 0,
+                    ids: q_ids.clone(),
+                    probs: vec![1.0 / 8.0; 8],
+                }],
+                drawn_from: vec![0; 3],
+            })
+            .map_err(err)?;
+        let logits = forward(&tree)?;
+        let uniforms = (0..tree.len()).map(|_| rng.random::<f64>()).collect();
+        let walk = specinfer_model::SampleWalk::new(&tree, temperature, top_p, uniforms)
+            .expect("the tree carries proposals");
+        match logits.walk_on_device(&walk) {
+            Some(Ok(out)) => {
+                let first = match out.accepted.first() {
+                    Some(&c) => tree.token(c as usize),
+                    None => out.next_token,
+                };
+                counts[first as usize] += 1;
+            }
+            _ => failures += 1,
+        }
+    }
+    let n = (TRIALS - failures) as f64;
+    let (mut chi2, mut df) = (0.0, 0usize);
+    let (mut rest_seen, mut rest_expected) = (0.0, 0.0);
+    for (t, &pt) in p.iter().enumerate() {
+        let expected = n * pt as f64;
+        if expected >= 5.0 {
+            chi2 += (counts[t] as f64 - expected).powi(2) / expected;
+            df += 1;
+        } else {
+            rest_seen += counts[t] as f64;
+            rest_expected += expected;
+        }
+    }
+    if rest_expected >= 5.0 {
+        chi2 += (rest_seen - rest_expected).powi(2) / rest_expected;
+        df += 1;
+    }
+    let df = df.saturating_sub(1).max(1) as f64;
+    let bound = df + 4.0 * (2.0 * df).sqrt();
+    r.check(
+        "SmolLM2: the device's RRS walk emits first tokens distributed as the LLM's p",
+        failures == 0 && chi2 <= bound,
+        format!("{failures} walks failed; chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})"),
+    );
+    Ok(())
 }
 
 fn time(f: &mut dyn FnMut()) -> f64 {

@@ -9,8 +9,9 @@
 //! pool on the device, allocated at start for the verifier's whole KV budget, in pages of one
 //! position ([`crate::kv_slots`]): a sequence holds the positions it uses, and keeping a round's
 //! accepted path is a slot-table update, no K/V row moves. Greedy rounds get each node's argmax
-//! reduced on the device; sampled rounds' logits stay on the device and cross to the host row by
-//! row as verification reads them.
+//! reduced on the device; sampled rounds' logits stay on the device, where the `sample_walk`
+//! kernel verifies the tree (only the verdict crosses), or cross to the host row by row as a host
+//! walk reads them.
 //!
 //! cudarc loads the driver at run time and panics when it is missing, so [`CudaLlama::upload`]
 //! checks for it first and returns a clear error on machines without an NVIDIA driver.
@@ -31,7 +32,10 @@ use specinfer_wire::TokenTree;
 
 use crate::kv_slots::{SlotPool, SlotTable};
 use crate::llama::Linear;
-use crate::{DeviceRows, Llama, Logits, ModelConfig, ModelError, Result, RopeStyle, Want};
+use crate::{
+    DeviceRows, Llama, Logits, ModelConfig, ModelError, Result, RopeStyle, SampleWalk, WalkOutcome,
+    Want,
+};
 
 fn gpu_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Runtime {
@@ -121,6 +125,7 @@ struct Kernels {
     store_kv: CudaFunction,
     tree_attention: CudaFunction,
     argmax_rows: CudaFunction,
+    sample_walk: CudaFunction,
 }
 
 /// A [`Llama`] on one GPU.
@@ -386,6 +391,7 @@ impl CudaLlama {
                 Precision::F32 => "tree_attention_f32",
             })?,
             argmax_rows: load("argmax_rows")?,
+            sample_walk: load("sample_walk")?,
         };
         // One stream of our own (the legacy default stream cannot be captured into a graph),
         // and no cudarc event tracking: with a single stream every use is ordered already, and
@@ -1050,6 +1056,7 @@ impl CudaLlama {
                         cols: self.lm_head.out,
                         vocab,
                         head_ids: self.head_ids.as_ref().map(|(ids, _)| ids.clone()),
+                        walk_kernel: self.f.sample_walk.clone(),
                     }),
                     n,
                     vocab,
@@ -1073,6 +1080,77 @@ struct HeadRows {
     cols: usize,
     vocab: usize,
     head_ids: Option<Arc<Vec<u32>>>,
+    walk_kernel: CudaFunction,
+}
+
+/// Threads of the `sample_walk` kernel's one block (`WALK_THREADS` in the kernels).
+const WALK_THREADS: u32 = 256;
+
+impl HeadRows {
+    /// The `sample_walk` kernel over these rows: only the verdict crosses to the host.
+    fn walk_on_device(&self, w: &SampleWalk) -> Result<WalkOutcome> {
+        let stream = self.logits.stream();
+        let n = w.token.len();
+        let ints = |v: &[i32]| stream.clone_htod(v).map_err(gpu_err);
+        let (kid_start, kids, token) = (ints(&w.kid_start)?, ints(&w.kids)?, ints(&w.token)?);
+        let (drawn_from, q_start, q_ids) =
+            (ints(&w.drawn_from)?, ints(&w.q_start)?, ints(&w.q_ids)?);
+        let q_probs = stream.clone_htod(&w.q_probs).map_err(gpu_err)?;
+        let uniforms = stream.clone_htod(&w.uniforms).map_err(gpu_err)?;
+        let mut out = stream.alloc_zeros::<i32>(2 * n + 3).map_err(gpu_err)?;
+        let mut scratch = stream.alloc_zeros::<f32>(2 * self.vocab).map_err(gpu_err)?;
+        let rows = self
+            .logits
+            .slice(self.first * self.cols..(self.first + n) * self.cols);
+        let (vocab, n_i) = (self.vocab as i32, n as i32);
+        let without = w.without_replacement as i32;
+        let (inv_t, top_p) = (1.0 / w.temperature, w.top_p);
+        let mut launch = stream.launch_builder(&self.walk_kernel);
+        launch.arg(&mut out).arg(&rows).arg(&vocab);
+        launch
+            .arg(&kid_start)
+            .arg(&kids)
+            .arg(&token)
+            .arg(&drawn_from);
+        launch
+            .arg(&q_start)
+            .arg(&q_ids)
+            .arg(&q_probs)
+            .arg(&without)
+            .arg(&n_i);
+        launch
+            .arg(&uniforms)
+            .arg(&inv_t)
+            .arg(&top_p)
+            .arg(&mut scratch);
+        // SAFETY: rows holds the tree's n rows of a full-vocabulary head; the tree arrays are
+        // SampleWalk's (children, tokens and proposals of these n nodes, one uniform per node);
+        // out holds 2n + 3 ints and scratch 2 * vocab floats, as the kernel writes them.
+        unsafe {
+            launch.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (WALK_THREADS, 1, 1),
+                shared_mem_bytes: WALK_THREADS * 4,
+            })
+        }
+        .map_err(gpu_err)?;
+        let out = stream.clone_dtoh(&out).map_err(gpu_err)?;
+        let accepted = out[0] as usize;
+        let next_token = out[1];
+        if accepted >= n || !(0..vocab).contains(&next_token) {
+            return Err(gpu_err(format!(
+                "sample_walk answered {accepted} accepted nodes of {n} and token {next_token}"
+            )));
+        }
+        Ok(WalkOutcome {
+            accepted: out[2..2 + accepted].iter().map(|&c| c as u32).collect(),
+            next_token: next_token as u32,
+            rejected_at_depth: out[2 + n..3 + n + accepted]
+                .iter()
+                .map(|&r| r as u32)
+                .collect(),
+        })
+    }
 }
 
 impl DeviceRows for HeadRows {
@@ -1093,5 +1171,11 @@ impl DeviceRows for HeadRows {
                 full
             }
         })
+    }
+
+    /// On the device for a full-vocabulary head and a tree with children; a restricted head's
+    /// rows are walked on the host.
+    fn walk(&self, walk: &SampleWalk) -> Option<Result<WalkOutcome>> {
+        (self.head_ids.is_none() && walk.token.len() > 1).then(|| self.walk_on_device(walk))
     }
 }

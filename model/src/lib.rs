@@ -23,7 +23,7 @@ pub use feature::{FeatureDrafter, FEATURE_DRAFT_KIND};
 pub use kv::KvCache;
 pub use llama::{Llama, SeqTree};
 pub use load::quantize_rows_u8;
-pub use logits::{DeviceRows, Logits, Want};
+pub use logits::{DeviceRows, Logits, SampleWalk, WalkOutcome, Want};
 pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};
 pub use tree_model::TreeModel;
 

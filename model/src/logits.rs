@@ -4,6 +4,7 @@
 use std::sync::OnceLock;
 
 use specinfer_kernels::sampling::argmax;
+use specinfer_wire::{DrawMode, TokenTree};
 
 use crate::Result;
 
@@ -31,6 +32,84 @@ impl Want {
 pub trait DeviceRows: Send + Sync {
     /// Row `i` over the whole vocabulary (tokens outside a restricted head at -inf).
     fn row(&self, i: usize) -> Result<Vec<f32>>;
+
+    /// Sampled verification of the rows' tree on the device ([`SampleWalk`]); `None` where the
+    /// device cannot (the host then walks the rows it copies).
+    fn walk(&self, _walk: &SampleWalk) -> Option<Result<WalkOutcome>> {
+        None
+    }
+}
+
+/// Everything sampled verification (multi-step speculative sampling, or recursive rejection
+/// sampling for draws without replacement) needs besides the LLM's rows, flattened for a device:
+/// the tree's children in draw order, the proposals it was drawn from, the distribution's
+/// temperature and top-p, and the uniforms the walk consumes, drawn by the host from the
+/// session's RNG in the order the host's walk would use them (one per child tried, then one for
+/// the emitted token), so that both walks decide alike.
+#[derive(Clone, Debug)]
+pub struct SampleWalk {
+    /// Node i's children are `kids[kid_start[i]..kid_start[i + 1]]`, in draw order.
+    pub kid_start: Vec<i32>,
+    pub kids: Vec<i32>,
+    pub token: Vec<i32>,
+    /// The proposal each node was drawn from (0 for the root, which was not).
+    pub drawn_from: Vec<i32>,
+    /// Proposal d's support: `q_ids` / `q_probs` at `q_start[d]..q_start[d + 1]`.
+    pub q_start: Vec<i32>,
+    pub q_ids: Vec<i32>,
+    pub q_probs: Vec<f32>,
+    pub without_replacement: bool,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// One per node: at most a tree's non-root nodes are tried, plus the emitted token's draw.
+    pub uniforms: Vec<f64>,
+}
+
+impl SampleWalk {
+    /// The walk over `tree`, which must carry proposals, with `uniforms` (at least one per node).
+    pub fn new(tree: &TokenTree, temperature: f32, top_p: f32, uniforms: Vec<f64>) -> Option<Self> {
+        let props = tree.proposals()?;
+        let children = tree.children();
+        let mut kid_start = vec![0i32];
+        let mut kids = Vec::with_capacity(tree.len());
+        for c in &children {
+            kids.extend(c.iter().map(|&k| k as i32));
+            kid_start.push(kids.len() as i32);
+        }
+        let mut q_start = vec![0i32];
+        let (mut q_ids, mut q_probs) = (Vec::new(), Vec::new());
+        for q in &props.dists {
+            q_ids.extend(q.ids.iter().map(|&t| t as i32));
+            q_probs.extend(&q.probs);
+            q_start.push(q_ids.len() as i32);
+        }
+        let drawn_from = std::iter::once(0)
+            .chain(props.drawn_from.iter().map(|&d| d as i32))
+            .collect();
+        assert!(uniforms.len() >= tree.len(), "one uniform per node");
+        Some(SampleWalk {
+            kid_start,
+            kids,
+            token: (0..tree.len()).map(|i| tree.token(i) as i32).collect(),
+            drawn_from,
+            q_start,
+            q_ids,
+            q_probs,
+            without_replacement: props.mode == DrawMode::WithoutReplacement,
+            temperature,
+            top_p,
+            uniforms,
+        })
+    }
+}
+
+/// A device's sampled verification: the accepted nodes (root to leaf), the token emitted after
+/// them, and the children rejected at each depth from 1.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WalkOutcome {
+    pub accepted: Vec<u32>,
+    pub next_token: u32,
+    pub rejected_at_depth: Vec<u32>,
 }
 
 enum Rows {
@@ -137,6 +216,20 @@ impl Logits {
         }
     }
 
+    /// Whether the rows are left on a device (which may walk them: [`Logits::walk_on_device`]).
+    pub fn is_on_device(&self) -> bool {
+        matches!(self.rows, Rows::Device { .. })
+    }
+
+    /// Sampled verification on the device that holds the rows, where it can; `None` for rows on
+    /// the host (or a device that cannot).
+    pub fn walk_on_device(&self, walk: &SampleWalk) -> Option<Result<WalkOutcome>> {
+        match &self.rows {
+            Rows::Device { source, .. } => source.walk(walk),
+            _ => None,
+        }
+    }
+
     /// Node `i`'s most likely token (the first of equal maxima, in token order).
     pub fn argmax(&self, i: usize) -> u32 {
         match &self.rows {
@@ -181,6 +274,39 @@ mod tests {
         assert_eq!(l.argmax(3), 1);
         assert_eq!(l.argmax(0), 2, "the first of equal maxima");
         assert_eq!(source.0.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_sample_walk_lists_children_in_draw_order_and_the_proposals_they_came_from() {
+        use specinfer_wire::{Proposals, SparseDist};
+        // Root 5 with children 7 and 9 (from proposal 0), 9 with child 4 (from proposal 1).
+        let tree = TokenTree::new(vec![5, 7, 9, 4], vec![0, 0, 2])
+            .unwrap()
+            .with_proposals(Proposals {
+                mode: DrawMode::WithoutReplacement,
+                dists: vec![
+                    SparseDist {
+                        node: 0,
+                        ids: vec![7, 9, 3],
+                        probs: vec![0.5, 0.3, 0.2],
+                    },
+                    SparseDist {
+                        node: 2,
+                        ids: vec![4],
+                        probs: vec![1.0],
+                    },
+                ],
+                drawn_from: vec![0, 0, 1],
+            })
+            .unwrap();
+        let w = SampleWalk::new(&tree, 0.8, 0.9, vec![0.5; 4]).unwrap();
+        assert_eq!(w.kid_start, vec![0, 2, 2, 3, 3]);
+        assert_eq!(w.kids, vec![1, 2, 3]);
+        assert_eq!(w.token, vec![5, 7, 9, 4]);
+        assert_eq!(w.drawn_from, vec![0, 0, 0, 1]);
+        assert_eq!((w.q_start, w.q_ids), (vec![0, 3, 4], vec![7, 9, 3, 4]));
+        assert!(w.without_replacement);
+        assert!(SampleWalk::new(&TokenTree::chain(&[1, 2]), 0.8, 1.0, vec![0.5; 2]).is_none());
     }
 
     #[test]
