@@ -733,6 +733,34 @@ impl CudaLlama {
         Ok(())
     }
 
+    /// `dst[i, :] = src[idx[i], :]` for the first `n` entries of `idx`, rows of d_model floats.
+    ///
+    /// # Safety
+    /// Those entries must index rows inside `src` (the kernel reads them unchecked).
+    unsafe fn gather_rows(
+        &self,
+        dst: &mut CudaSlice<f32>,
+        src: &CudaSlice<f32>,
+        idx: &CudaSlice<i32>,
+        n: usize,
+    ) -> Result<()> {
+        let d = self.cfg.d_model;
+        assert!(idx.len() >= n && dst.len() >= n * d);
+        let d_i = d as i32;
+        // SAFETY: dst holds n rows and idx n entries (asserted); the caller vouches for src.
+        unsafe {
+            self.stream
+                .launch_builder(&self.f.gather_rows)
+                .arg(dst)
+                .arg(src)
+                .arg(idx)
+                .arg(&d_i)
+                .launch(per_row(n, 0))
+        }
+        .map_err(gpu_err)?;
+        Ok(())
+    }
+
     /// Copies `host` into the start of `device`.
     fn put<T: DeviceRepr>(&self, host: &[T], device: &mut CudaSlice<T>) -> Result<()> {
         self.stream
@@ -746,19 +774,9 @@ impl CudaLlama {
     fn launch_layers(&self, ws: &mut Buffers, rows: usize, words: usize) -> Result<()> {
         let cfg = &self.cfg;
         let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
-        let d_i = d as i32;
         // The embeddings: the table's rows of the tokens.
-        // SAFETY: x holds [rows, d]; every token is inside the table (checked above).
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.gather_rows)
-                .arg(&mut ws.x)
-                .arg(&self.embed)
-                .arg(&ws.tokens)
-                .arg(&d_i)
-                .launch(per_row(rows, 0))
-        }
-        .map_err(gpu_err)?;
+        // SAFETY: every token is inside the table (checked by forward_wanting).
+        unsafe { self.gather_rows(&mut ws.x, &self.embed, &ws.tokens, rows) }?;
         let (words_i, nodes_i) = (words as i32, rows as i32);
         let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
         let kv_row_i = kv_row as i32;
@@ -919,7 +937,6 @@ impl CudaLlama {
     ) -> Result<Vec<Logits>> {
         assert_eq!(wants.len(), seqs.len(), "one want per sequence");
         let cfg = &self.cfg;
-        let d = cfg.d_model;
         // Token ids as the embedding table's row indices.
         let mut tokens: Vec<i32> = Vec::new();
         let mut positions: Vec<i32> = Vec::new();
@@ -977,7 +994,6 @@ impl CudaLlama {
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let ws: &mut Workspace = &mut guard;
         ws.fit(self, rows, words)?;
-        let d_i = d as i32;
         // The batch's inputs into the workspace's, then every layer (replaying a CUDA graph of
         // them when one was captured for this shape).
         let b = ws.bufs.as_mut().expect("fit allocates");
@@ -1008,17 +1024,8 @@ impl CudaLlama {
                 self.linear(&ws.h, rows, &self.lm_head, logits)?;
             } else {
                 let idx = self.stream.clone_htod(&wanted).map_err(gpu_err)?;
-                // SAFETY: idx holds head_rows rows of h ([rows, d]); selected has room for them.
-                unsafe {
-                    self.stream
-                        .launch_builder(&self.f.gather_rows)
-                        .arg(&mut ws.selected)
-                        .arg(&ws.h)
-                        .arg(&idx)
-                        .arg(&d_i)
-                        .launch(per_row(head_rows, 0))
-                }
-                .map_err(gpu_err)?;
+                // SAFETY: idx holds head_rows rows of h ([rows, d]).
+                unsafe { self.gather_rows(&mut ws.selected, &ws.h, &idx, head_rows) }?;
                 self.linear(&ws.selected, head_rows, &self.lm_head, logits)?;
             }
             if wants.contains(&Want::Argmax) {
