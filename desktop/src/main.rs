@@ -47,7 +47,14 @@ fn main() -> Result<()> {
         options,
         Box::new(|_| Ok(Box::new(Window(app)))),
     )
-    .map_err(|e| anyhow::anyhow!("opening the window: {e}"))
+    // The usual cause on Linux is a machine without an OpenGL library (libGL or libEGL are
+    // loaded at run time, so the binary starts without them): say which packages give one.
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "opening the window: {e}\n(the window draws with OpenGL 2 or later; on Linux that needs \
+             Mesa's libraries, e.g. Debian's libgl1 libegl1 libgl1-mesa-dri)"
+        )
+    })
 }
 
 /// The app in eframe's window.

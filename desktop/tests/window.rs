@@ -33,6 +33,38 @@ fn require(name: &str) {
     );
 }
 
+/// Starts Xvfb on a display number it picks itself (`-displayfd`), so that a display another
+/// server holds, or a stale lock file a crashed one left, cannot put the test on the wrong screen.
+/// Returns the server and its display once it has said the number; its stderr goes to `log`.
+fn start_xvfb(log: &Path) -> (Running, String) {
+    let mut xvfb = Command::new("Xvfb")
+        .args(["-displayfd", "1", "-screen", "0", "1280x800x24", "-nolisten", "tcp"])
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let stdout = xvfb.stdout.take().unwrap();
+    let xvfb = Running(xvfb);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line);
+        let _ = tx.send(line);
+    });
+    let number = rx
+        .recv_timeout(Duration::from_secs(20))
+        .ok()
+        .and_then(|line| line.trim().parse::<u32>().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "Xvfb did not say its display; its log ({}):\n{}",
+                log.display(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+        });
+    (xvfb, format!(":{number}"))
+}
+
 fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !done() {
@@ -50,6 +82,87 @@ fn xdotool(display: &str, args: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The app under test, its log kept in a file so that a failure can say what the app said (a CI
+/// log shows only the end of the run, where an inherited stderr is long gone).
+struct App {
+    process: Running,
+    log: PathBuf,
+}
+
+impl App {
+    fn start(exe: &Path, data: &Path, display: &str, log: PathBuf) -> App {
+        let process = Running(
+            Command::new(exe)
+                .args(["--data-dir", data.to_str().unwrap(), "--no-keyring"])
+                .env("DISPLAY", display)
+                .env("LIBGL_ALWAYS_SOFTWARE", "1")
+                .env("SPECINFER_LOG", "info")
+                .env("RUST_BACKTRACE", "1")
+                .env_remove("WAYLAND_DISPLAY")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        App { process, log }
+    }
+
+    /// The end of the app's log.
+    fn said(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut start = text.len().saturating_sub(4000);
+        while !text.is_char_boundary(start) {
+            start += 1;
+        }
+        let xvfb = self.log.with_file_name("desktop-xvfb.log");
+        format!(
+            "the app's log ({}) ends:\n{}\nthe X server's log ({}):\n{}",
+            self.log.display(),
+            &text[start..],
+            xvfb.display(),
+            std::fs::read_to_string(&xvfb).unwrap_or_default()
+        )
+    }
+
+    /// Waits for the app's window and returns it with its X id, or what the app said when it
+    /// exited first.
+    fn window(mut self, display: &str) -> Result<(App, String), String> {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            if let Some(id) = xdotool(display, &["search", "--name", "^specinfer$"])
+                .and_then(|w| w.lines().next().map(str::to_string))
+            {
+                return Ok((self, id));
+            }
+            if let Ok(Some(status)) = self.process.0.try_wait() {
+                return Err(format!("exit {status}; {}", self.said()));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for the window; {}",
+                self.said()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Waits for `done`, failing with the app's log when the app exits or time runs out.
+    fn wait_for(&mut self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + timeout;
+        while !done() {
+            if let Ok(Some(status)) = self.process.0.try_wait() {
+                panic!("the app exited ({status}) waiting for {what}; {}", self.said());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; {}",
+                self.said()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
 }
 
 /// Asks for code, so that the screenshot shows a rendered code block.
@@ -96,17 +209,8 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
     for name in ["Xvfb", "xdotool", "import"] {
         require(name);
     }
-    // A display number no other test run holds.
-    let number = 90 + std::process::id() % 400;
-    let display = format!(":{number}");
-    let _xvfb = Running(
-        Command::new("Xvfb")
-            .args([&display, "-screen", "0", "1280x800x24", "-nolisten", "tcp"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let xvfb_log = tmp.join("desktop-xvfb.log");
+    let (_xvfb, display) = start_xvfb(&xvfb_log);
     // Ready when a client gets an answer from it: its socket appears before it serves (a CI
     // run on a loaded machine started the app in between, and the app could not connect).
     wait_for("Xvfb", Duration::from_secs(20), || {
@@ -115,32 +219,30 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
 
     let exe = desktop_exe();
     assert!(exe.exists(), "{} is missing", exe.display());
-    let _app = Running(
-        Command::new(&exe)
-            .args(["--data-dir", data.to_str().unwrap(), "--no-keyring"])
-            .env("DISPLAY", &display)
-            .env("LIBGL_ALWAYS_SOFTWARE", "1")
-            .env_remove("WAYLAND_DISPLAY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
-    let mut window = String::new();
-    wait_for("the window", Duration::from_secs(60), || {
-        match xdotool(&display, &["search", "--name", "^specinfer$"]) {
-            Some(w) if !w.is_empty() => {
-                window = w.lines().next().unwrap().to_string();
-                true
-            }
-            _ => false,
+    // A window system that fails once (a GL context under Xvfb) is the machine's, not the
+    // app's: start the app once more, after printing what it said. A fault of the app fails both.
+    let start = |attempt: usize| {
+        App::start(
+            &exe,
+            &data,
+            &display,
+            tmp.join(format!("desktop-window-{attempt}.log")),
+        )
+    };
+    let (mut app, window) = match start(1).window(&display) {
+        Ok(ready) => ready,
+        Err(said) => {
+            eprintln!("the app exited before its window appeared, starting it once more; {said}");
+            start(2)
+                .window(&display)
+                .unwrap_or_else(|said| panic!("the app exited before its window appeared; {said}"))
         }
-    });
+    };
     // The composer has the focus from the first frame on, and Enter sends only once the models
     // are set up: until the question is sent, focus the window, clear the composer, type the
     // question and press Enter (keys sent before the first frame are lost).
     let conversations = data.join("conversations");
-    wait_for("the question to be sent", Duration::from_secs(240), || {
+    app.wait_for("the question to be sent", Duration::from_secs(240), || {
         xdotool(&display, &["windowfocus", "--sync", &window]);
         xdotool(&display, &["key", "ctrl+a", "BackSpace"]);
         xdotool(&display, &["type", "--delay", "10", QUESTION]);
@@ -149,7 +251,7 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
         std::fs::read_dir(&conversations).is_ok_and(|mut d| d.next().is_some())
     });
     let mut answer = None;
-    wait_for("the answer", Duration::from_secs(120), || {
+    app.wait_for("the answer", Duration::from_secs(120), || {
         answer = saved_answer(&conversations);
         answer.is_some()
     });
