@@ -17,9 +17,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use specinfer_model::Llama;
-use specinfer_net::{Remote, RemoteConfig};
+use specinfer_net::{Remote, RemoteConfig, RemoteSession};
 use specinfer_speculator::{
-    CachedDraft, Calibration, DepthController, DraftMode, DraftModel, RoundDriver,
+    CachedDraft, Calibration, DepthController, DraftMode, DraftModel, HandOff, RoundDriver,
     RoundObservation, Speculator, TreeShape,
 };
 use specinfer_train::eval;
@@ -97,6 +97,8 @@ pub struct SessionTrace {
     pub verdicts: Vec<(f64, usize)>,
     /// Tree nodes sent (split sessions).
     pub nodes: usize,
+    /// Split rounds before the session handed the rest to the verifier, if it did.
+    pub handed_off_after: Option<usize>,
 }
 
 impl SessionTrace {
@@ -188,17 +190,22 @@ impl MeasuredCosts {
 }
 
 /// Replays `rec` as one client session (its own QUIC connection) against `remote`; fails if
-/// the verifier's answer leaves the recorded path.
+/// the verifier's answer leaves the recorded path. With `hand_off`, the session hands the rest
+/// of the answer to the verifier's plain decoding when the client's rule says so
+/// ([`HandOff`], as [`RoundDriver::with_hand_off`]; drafting counts as free, as it was paid
+/// when the trees were recorded).
 pub async fn replay(
     remote: &RemoteConfig,
     rec: &Recording,
     params: &SamplingParams,
     sizing: Sizing,
+    hand_off: bool,
     arrival: Instant,
 ) -> Result<SessionTrace> {
     let conn = Remote::connect(remote).await?;
     let mut s = conn.open(1, rec.prompt.clone(), params.clone()).await?;
     let (mut trace, mut costs, mut pos) = (SessionTrace::default(), MeasuredCosts::default(), 0);
+    let mut rule = hand_off.then(HandOff::default);
     loop {
         let recorded = rec
             .trees
@@ -213,7 +220,16 @@ pub async fn replay(
         let v = s.verify(tree).await?;
         let now = Instant::now();
         costs.observe(&v, (now - sent).as_secs_f64(), sent_path_p);
+        if let Some(rule) = &mut rule {
+            rule.observe(&v, sent_path_p.len() + 1, 0.0, (now - sent).as_secs_f64());
+        }
         if trace.take(rec, &mut pos, &v, (now - arrival).as_secs_f64())? {
+            break;
+        }
+        if rule.as_ref().is_some_and(HandOff::server_is_cheaper) {
+            trace.handed_off_after = Some(trace.verdicts.len());
+            s.generate(ServerDrafting::Plain).await?;
+            trace.stream_rest(&mut s, rec, &mut pos, arrival).await?;
             break;
         }
     }
@@ -235,19 +251,30 @@ pub async fn server_generated(
     let mut s = conn.open(1, rec.prompt.clone(), params.clone()).await?;
     s.generate(drafting).await?;
     let (mut trace, mut pos) = (SessionTrace::default(), 0);
-    loop {
-        let v = s.verdict().await?;
-        trace.nodes += v.stats.tree_nodes as usize;
-        if trace.take(rec, &mut pos, &v, arrival.elapsed().as_secs_f64())? {
-            break;
-        }
-    }
+    trace.stream_rest(&mut s, rec, &mut pos, arrival).await?;
     s.close().await?;
     conn.shutdown().await;
     Ok(trace)
 }
 
 impl SessionTrace {
+    /// Takes the rounds the verifier decodes on its own (after `Generate`) to the answer's end.
+    async fn stream_rest(
+        &mut self,
+        s: &mut RemoteSession,
+        rec: &Recording,
+        pos: &mut usize,
+        arrival: Instant,
+    ) -> Result<()> {
+        loop {
+            let v = s.verdict().await?;
+            self.nodes += v.stats.tree_nodes as usize;
+            if self.take(rec, pos, &v, arrival.elapsed().as_secs_f64())? {
+                return Ok(());
+            }
+        }
+    }
+
     /// Takes the verdict that came `at` seconds after arrival for answer position `*pos`:
     /// checks that it continues the recorded answer, and moves `pos` past it. Returns whether
     /// the session finished.

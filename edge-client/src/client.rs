@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use specinfer_model::ModelError;
 use specinfer_speculator::{GenerationStats, Recovery, RoundDriver, RoundError, RoundOutput};
-use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, Verified};
+use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, ServerDrafting, Verified};
 
 use specinfer_net::{AddrsError, Remote, RemoteConfig, RemoteError, RemoteSession, VerifierAddrs};
 
@@ -270,20 +270,43 @@ impl Client {
         let mut g = Generation::default();
         let mut session = self.open(id, driver).await?;
         let mut served_by = vec![self.cfg.addr];
+        // Whether this session's verifier was asked to decode the rest on its own.
+        let mut generating = false;
         while !driver.is_finished() {
-            let tree = driver.draft(&clock)?;
-            let sent = Instant::now();
-            let verdict = match session.send_tree(tree).await {
-                Ok(()) => {
-                    driver.draft_ahead();
-                    let verdict = session.verdict().await;
-                    if let Ok(v) = &verdict {
-                        self.round_trip.deliver(sent, v).await;
-                    }
-                    verdict
+            if driver.wants_server_decoding() {
+                driver.start_server_decoding()?;
+            }
+            let verdict = if driver.server_decodes() {
+                // Streamed rounds: no tree goes up, so no round trip per verdict.
+                let asked = if generating {
+                    Ok(())
+                } else {
+                    session.generate(ServerDrafting::Plain).await
+                };
+                generating = asked.is_ok();
+                match asked {
+                    Ok(()) => session.verdict().await,
+                    Err(e) => Err(e),
                 }
-                Err(e) => Err(e),
+            } else {
+                let tree = driver.draft(&clock)?;
+                let sent = Instant::now();
+                match session.send_tree(tree).await {
+                    Ok(()) => {
+                        driver.draft_ahead();
+                        let verdict = session.verdict().await;
+                        if let Ok(v) = &verdict {
+                            self.round_trip.deliver(sent, v).await;
+                        }
+                        verdict
+                    }
+                    Err(e) => Err(e),
+                }
             };
+            if verdict.is_err() {
+                // A new or resumed session is asked again.
+                generating = false;
+            }
             match verdict {
                 Ok(v) => {
                     let out = driver.on_verified(&v, clock())?;

@@ -111,6 +111,9 @@ pub struct ClientOptions {
     pub pipeline: bool,
     /// The context lookup's longest chain; 0 turns it off.
     pub lookup: usize,
+    /// Hand the rest of an answer to the verifier's own decoding once split rounds cost more
+    /// per token than its plain steps ([`specinfer_speculator::HandOff`]).
+    pub hand_off: bool,
 }
 
 impl Default for ClientOptions {
@@ -125,6 +128,7 @@ impl Default for ClientOptions {
             max_tokens: 256,
             pipeline: false,
             lookup: ContextLookup::default().max_tokens,
+            hand_off: true,
         }
     }
 }
@@ -198,6 +202,7 @@ pub struct ClientSetup {
     pub context_tokens: usize,
     pub pipeline: bool,
     pub lookup: Option<ContextLookup>,
+    pub hand_off: bool,
     /// Kept running while the setup lives.
     _embedded: Option<Embedded>,
 }
@@ -263,6 +268,7 @@ impl ClientSetup {
             verifiers,
             context_tokens,
             pipeline: opts.pipeline,
+            hand_off: opts.hand_off,
             lookup: (opts.lookup > 0).then(|| ContextLookup {
                 max_tokens: opts.lookup,
                 ..ContextLookup::default()
@@ -331,6 +337,7 @@ impl ClientSetup {
         Ok(RoundDriver::new(ids.to_vec(), params, drafter)?
             .with_lookup(self.lookup)
             .with_pipelining(self.pipeline)
+            .with_hand_off(self.hand_off)
             .with_text(self.tok.clone()))
     }
 

@@ -8,6 +8,7 @@ pub mod draft;
 mod dynamic;
 mod expansion;
 pub mod feature;
+pub mod handoff;
 pub mod lookup;
 pub mod merge;
 pub mod round;
@@ -21,6 +22,7 @@ pub use controller::{
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use dynamic::GrowthCosts;
 pub use feature::FeatureDraft;
+pub use handoff::HandOff;
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use merge::merge_trees;
 pub use round::{

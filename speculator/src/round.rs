@@ -23,7 +23,7 @@ use std::sync::Arc;
 use specinfer_model::{ModelError, Tokenizer};
 use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, Verified, VerifyMode};
 
-use crate::{AdaptiveLookup, ContextLookup, DraftModel, DraftedPart, Speculator};
+use crate::{AdaptiveLookup, ContextLookup, DraftModel, DraftedPart, HandOff, Speculator};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RoundError {
@@ -75,6 +75,9 @@ pub struct GenerationStats {
     pub draft_s: f64,
     /// The verifier's forward seconds, summed over rounds (from the verdicts' stats).
     pub verifier_forward_s: f64,
+    /// Rounds the verifier decoded on its own after the answer was handed to it
+    /// ([`RoundDriver::with_hand_off`]); counted in `rounds` too.
+    pub server_rounds: usize,
 }
 
 /// How the context lookup's chain is cut.
@@ -125,6 +128,11 @@ pub struct RoundDriver<'a> {
     stats: GenerationStats,
     /// Set by someone else (a Stop button) to end the generation after the round in flight.
     stop: Option<Arc<AtomicBool>>,
+    /// Measures whether the verifier's own decoding would serve the rest cheaper (on when
+    /// [`RoundDriver::with_hand_off`] asked for it).
+    hand_off: Option<HandOff>,
+    /// The verifier decodes the rest on its own: verdicts come without trees.
+    server_decodes: bool,
 }
 
 impl<'a> RoundDriver<'a> {
@@ -152,6 +160,8 @@ impl<'a> RoundDriver<'a> {
             text: None,
             stats: GenerationStats::default(),
             stop: None,
+            hand_off: None,
+            server_decodes: false,
         })
     }
 
@@ -211,6 +221,50 @@ impl<'a> RoundDriver<'a> {
 
     /// The generation ends, without a [`FinishReason`], once `stop` is set: the round in flight
     /// (if any) is still taken, so what is committed stays what the verifier committed.
+    /// Hands the rest of the answer to the verifier's own decoding once split rounds cost more
+    /// per token than its plain steps (see [`HandOff`]): the caller then asks for it
+    /// (`Generate` with plain drafting) when [`RoundDriver::wants_server_decoding`] says so.
+    pub fn with_hand_off(mut self, on: bool) -> Self {
+        self.hand_off = on.then(HandOff::default);
+        self
+    }
+
+    /// Whether the caller should now ask the verifier to decode the rest on its own, and call
+    /// [`RoundDriver::start_server_decoding`].
+    pub fn wants_server_decoding(&self) -> bool {
+        !self.server_decodes
+            && self.finish.is_none()
+            && self.in_flight.is_none()
+            && self.hand_off.as_ref().is_some_and(HandOff::server_is_cheaper)
+    }
+
+    /// The verifier decodes the rest: from now on every verdict is a streamed round of its own,
+    /// with no tree in flight. Final for this answer.
+    pub fn start_server_decoding(&mut self) -> Result<(), RoundError> {
+        if self.in_flight.is_some() {
+            return Err(RoundError::Protocol(
+                "the verifier cannot take over while a round is in flight".into(),
+            ));
+        }
+        self.server_decodes = true;
+        self.ahead = None;
+        if let Some(h) = &self.hand_off {
+            let (split, server) = h.per_token();
+            tracing::info!(
+                generated = self.generated().len(),
+                split_ms_per_token = split * 1e3,
+                server_ms_per_token = server * 1e3,
+                "the verifier decodes the rest of the answer on its own"
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether the verifier decodes the rest on its own ([`RoundDriver::start_server_decoding`]).
+    pub fn server_decodes(&self) -> bool {
+        self.server_decodes
+    }
+
     pub fn with_stop(mut self, stop: Arc<AtomicBool>) -> Self {
         self.stop = Some(stop);
         self
@@ -350,6 +404,9 @@ impl<'a> RoundDriver<'a> {
 
     /// Takes the verdict on the tree in flight, received at `now`.
     pub fn on_verified(&mut self, v: &Verified, now: f64) -> Result<RoundOutput, RoundError> {
+        if self.server_decodes {
+            return self.on_server_round(v);
+        }
         let Some(sent) = self.in_flight.take() else {
             return Err(RoundError::Protocol(
                 "a verdict with no round in flight".into(),
@@ -382,6 +439,9 @@ impl<'a> RoundDriver<'a> {
             forward_ms = forward_s * 1e3,
             "round"
         );
+        if let Some(h) = &mut self.hand_off {
+            h.observe(v, sent.tree_nodes, sent.draft_s, round_s);
+        }
         // Load-aware trees: the verifier's price of a node and, when it is busy, its cap.
         let node_price = v.stats.node_price_ns as f64 * 1e-9;
         self.node_cap = (v.stats.node_cap > 0).then_some(v.stats.node_cap as usize);
@@ -402,6 +462,27 @@ impl<'a> RoundDriver<'a> {
         self.stats.rounds += 1;
         self.stats.accepted_per_round.push(v.tokens.len());
         self.stats.verifier_forward_s += forward_s;
+        self.finish = v.finish;
+        self.commit(&v.tokens)
+    }
+
+    /// A round the verifier decoded on its own (after [`RoundDriver::start_server_decoding`]).
+    fn on_server_round(&mut self, v: &Verified) -> Result<RoundOutput, RoundError> {
+        if v.tokens.is_empty() && v.finish.is_none() {
+            return Err(RoundError::Protocol(
+                "a verdict that commits no token and does not finish".into(),
+            ));
+        }
+        if !v.accepted_nodes.is_empty() {
+            return Err(RoundError::Protocol(
+                "a round the verifier decoded on its own accepted tree nodes".into(),
+            ));
+        }
+        self.stats.rounds += 1;
+        self.stats.server_rounds += 1;
+        self.stats.tree_nodes += v.stats.tree_nodes as usize;
+        self.stats.accepted_per_round.push(v.tokens.len());
+        self.stats.verifier_forward_s += v.stats.forward_us as f64 * 1e-6;
         self.finish = v.finish;
         self.commit(&v.tokens)
     }

@@ -721,3 +721,63 @@ async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
     client.shutdown().await;
     server.shutdown().await;
 }
+
+/// A split that costs more per token than the verifier's own decoding (here a 120 ms round trip
+/// through a real UDP relay around ~10 ms forwards) hands the rest of the answer to the
+/// verifier: the output stays the incremental one, the last rounds are the verifier's streamed
+/// steps, and far fewer round trips are paid than without the hand-off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_that_does_not_pay_hands_the_answer_to_the_verifier_losslessly() {
+    let (server, direct) = start_verifier(EngineConfig::default());
+    let (llm, _) = smollm2();
+    let ids = chat_ids("Describe a lighthouse at night.");
+    let params = SamplingParams::greedy(48);
+    let reference = generate(&direct, &ids, params.clone(), None)
+        .await
+        .token_ids;
+    let relay = specinfer_net::UdpRelay::with_path(
+        direct.addr,
+        specinfer_net::RelayConfig::round_trip(Duration::from_millis(120)),
+    )
+    .await
+    .unwrap();
+    let remote = RemoteConfig {
+        addr: relay.addr,
+        ..direct.clone()
+    };
+    let mut client = Client::connect(remote).await.unwrap();
+    let run = |hand_off: bool| {
+        let drafter = Drafter {
+            speculator: Speculator::new(vec![1, 1], DraftMode::Greedy, 5),
+            drafts: vec![Box::new(NoisyDraft::new(llm, 5, 2.0))],
+        };
+        RoundDriver::new(ids.clone(), params.clone(), Some(drafter))
+            .unwrap()
+            .with_hand_off(hand_off)
+    };
+    let mut streamed = Vec::new();
+    let mut handing_off = run(true);
+    let g = client
+        .generate(&mut handing_off, |out| streamed.extend_from_slice(&out.tokens))
+        .await
+        .unwrap();
+    assert_eq!(g.token_ids, reference, "the hand-off changed the output");
+    assert_eq!(streamed, reference, "text was lost or repeated in the stream");
+    assert!(
+        g.stats.server_rounds > 0,
+        "the verifier never took over: {:?}",
+        g.stats
+    );
+    let split_rounds = g.stats.rounds - g.stats.server_rounds;
+    let mut kept = run(false);
+    let all_split = client.generate(&mut kept, |_| {}).await.unwrap();
+    assert_eq!(all_split.token_ids, reference);
+    assert_eq!(all_split.stats.server_rounds, 0);
+    assert!(
+        split_rounds < all_split.stats.rounds,
+        "{split_rounds} split rounds with the hand-off, {} without",
+        all_split.stats.rounds
+    );
+    client.shutdown().await;
+    server.shutdown().await;
+}

@@ -54,6 +54,10 @@ pub enum Mode {
     ServerIncremental,
     ServerSpeculative,
     Split(Sizing),
+    /// The split with load-aware trees that hands an answer to the verifier's own decoding
+    /// once split rounds cost more per token ([`specinfer_speculator::HandOff`]): the clients'
+    /// default.
+    SplitHandingOff,
 }
 
 impl Mode {
@@ -63,22 +67,26 @@ impl Mode {
             Mode::ServerSpeculative => "server-side speculation",
             Mode::Split(Sizing::LoadAware) => "split, load-aware trees",
             Mode::Split(Sizing::Whole) => "split, whole dynamic:32 trees",
+            Mode::SplitHandingOff => "split, load-aware trees + hand-off",
         }
     }
 }
 
 impl Mode {
-    /// Server-only decoding, server-side speculation, and the split with load-aware trees.
-    pub const MAIN: [Mode; 3] = [
+    /// Server-only decoding, server-side speculation, and the split with load-aware trees,
+    /// without and with the hand-off.
+    pub const MAIN: [Mode; 4] = [
         Mode::ServerIncremental,
         Mode::ServerSpeculative,
         Mode::Split(Sizing::LoadAware),
+        Mode::SplitHandingOff,
     ];
     /// [`Mode::MAIN`] and the split with whole trees, to show what the load-aware sizing buys.
-    pub const ALL: [Mode; 4] = [
+    pub const ALL: [Mode; 5] = [
         Mode::ServerIncremental,
         Mode::ServerSpeculative,
         Mode::Split(Sizing::LoadAware),
+        Mode::SplitHandingOff,
         Mode::Split(Sizing::Whole),
     ];
 }
@@ -99,6 +107,8 @@ struct Step {
     cpu_s_per_token: f64,
     nodes_per_forward: f64,
     tokens_per_round: f64,
+    /// Sessions that handed the rest of their answer to the verifier.
+    handed_off: usize,
 }
 
 impl Step {
@@ -107,7 +117,7 @@ impl Step {
             "goodput_tokens_per_s": self.goodput, "tpot_p50_ms": self.tpot_p50 * 1e3, "tpot_p99_ms": self.tpot_p99 * 1e3,
             "ttft_p50_ms": self.ttft_p50 * 1e3, "ttft_p99_ms": self.ttft_p99 * 1e3,
             "verifier_cpu_s_per_token": self.cpu_s_per_token, "nodes_per_forward": self.nodes_per_forward,
-            "tokens_per_round": self.tokens_per_round})
+            "tokens_per_round": self.tokens_per_round, "sessions_handed_off": self.handed_off})
     }
 }
 
@@ -221,14 +231,15 @@ async fn measure(
                 )
                 .await?;
                 eprintln!(
-                    "      RTT {rtt} ms, {}, {rate}/s: goodput {:.0} tok/s, TPOT p50 {:.1} p99 {:.1} ms, TTFT p50 {:.0} ms, verifier {:.2} ms CPU/token, {:.1} nodes/forward",
+                    "      RTT {rtt} ms, {}, {rate}/s: goodput {:.0} tok/s, TPOT p50 {:.1} p99 {:.1} ms, TTFT p50 {:.0} ms, verifier {:.2} ms CPU/token, {:.1} nodes/forward, {} handed off",
                     mode.name(),
                     s.goodput,
                     s.tpot_p50 * 1e3,
                     s.tpot_p99 * 1e3,
                     s.ttft_p50 * 1e3,
                     s.cpu_s_per_token * 1e3,
-                    s.nodes_per_forward
+                    s.nodes_per_forward,
+                    s.handed_off
                 );
                 steps.push(s);
             }
@@ -255,7 +266,10 @@ async fn one_session(
             replay::server_generated(remote, rec, params, ServerDrafting::Speculative, arrival)
                 .await
         }
-        Mode::Split(sizing) => replay::replay(remote, rec, params, sizing, arrival).await,
+        Mode::Split(sizing) => replay::replay(remote, rec, params, sizing, false, arrival).await,
+        Mode::SplitHandingOff => {
+            replay::replay(remote, rec, params, Sizing::LoadAware, true, arrival).await
+        }
     }
 }
 
@@ -316,6 +330,10 @@ async fn step(
         cpu_s_per_token: cpu / tokens.max(1) as f64,
         nodes_per_forward: nodes / batches.max(1.0),
         tokens_per_round: tokens as f64 / rounds.max(1) as f64,
+        handed_off: traces
+            .iter()
+            .filter(|t| t.handed_off_after.is_some())
+            .count(),
     })
 }
 
@@ -400,12 +418,12 @@ fn report(
         }
         md += "\n";
     }
-    md += "\nEvery step:\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round |\n|---|---|---|---|---|---|---|---|---|\n";
+    md += "\nEvery step:\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round | sessions handed off |\n|---|---|---|---|---|---|---|---|---|---|\n";
     let mut steps_json = Vec::new();
     for (rtt, mode, steps) in table {
         for s in steps {
             md += &format!(
-                "| {rtt} | {} | {} | {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {:.2} | {:.1} | {:.2} |\n",
+                "| {rtt} | {} | {} | {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {:.2} | {:.1} | {:.2} | {} of {} |\n",
                 mode.name(),
                 s.rate,
                 s.goodput,
@@ -415,7 +433,9 @@ fn report(
                 s.ttft_p99 * 1e3,
                 s.cpu_s_per_token * 1e3,
                 s.nodes_per_forward,
-                s.tokens_per_round
+                s.tokens_per_round,
+                s.handed_off,
+                s.sessions
             );
             let mut j = s.to_json();
             j["rtt_ms"] = json!(rtt);

@@ -157,6 +157,12 @@ struct CommonArgs {
     /// included; 0 turns it off.
     #[arg(long, default_value_t = ContextLookup::default().max_tokens)]
     lookup: usize,
+    /// Keep drafting to the end of every answer. By default, once split rounds cost more per
+    /// token than the verifier's plain steps (a loaded verifier, a long round trip, a draft
+    /// the LLM rarely agrees with), the verifier is asked to decode the rest of the answer on
+    /// its own and stream it: never slower for you, never costlier for the verifier.
+    #[arg(long)]
+    no_hand_off: bool,
 }
 
 #[derive(clap::Args)]
@@ -192,6 +198,9 @@ struct Report<'a> {
     reconnects: usize,
     /// Accepted tokens that only the context lookup proposed.
     lookup_accepted: usize,
+    /// Rounds the verifier decoded on its own after the answer was handed to it (see
+    /// `--no-hand-off`); counted in `rounds` too.
+    server_rounds: usize,
 }
 
 fn main() -> Result<()> {
@@ -315,6 +324,7 @@ fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
         max_tokens: a.max_tokens,
         pipeline: a.pipeline,
         lookup: a.lookup,
+        hand_off: !a.no_hand_off,
     })
 }
 
@@ -326,8 +336,12 @@ fn setup(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientSetup> {
 }
 
 fn summary(g: &Generation) -> String {
+    let handed_off = match g.stats.server_rounds {
+        0 => String::new(),
+        n => format!(", the last {n} decoded by the verifier alone"),
+    };
     format!(
-        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds, tau {:.2} tokens/round ({} drafted by the lookup), first token after {:.0} ms]",
+        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds{handed_off}, tau {:.2} tokens/round ({} drafted by the lookup), first token after {:.0} ms]",
         g.token_ids.len(),
         g.wall.as_secs_f64(),
         g.token_ids.len() as f64 / g.wall.as_secs_f64(),
@@ -400,6 +414,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     verifier_forward_ms: g.stats.verifier_forward_s * 1e3,
                     reconnects: g.reconnects,
                     lookup_accepted: g.stats.lookup_accepted,
+                    server_rounds: g.stats.server_rounds,
                 };
                 println!("{}", serde_json::to_string(&report)?);
             } else {
