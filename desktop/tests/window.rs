@@ -38,7 +38,15 @@ fn require(name: &str) {
 /// Returns the server and its display once it has said the number; its stderr goes to `log`.
 fn start_xvfb(log: &Path) -> (Running, String) {
     let mut xvfb = Command::new("Xvfb")
-        .args(["-displayfd", "1", "-screen", "0", "1280x800x24", "-nolisten", "tcp"])
+        .args([
+            "-displayfd",
+            "1",
+            "-screen",
+            "0",
+            "1280x800x24",
+            "-nolisten",
+            "tcp",
+        ])
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
@@ -153,7 +161,10 @@ impl App {
         let deadline = Instant::now() + timeout;
         while !done() {
             if let Ok(Some(status)) = self.process.0.try_wait() {
-                panic!("the app exited ({status}) waiting for {what}; {}", self.said());
+                panic!(
+                    "the app exited ({status}) waiting for {what}; {}",
+                    self.said()
+                );
             }
             assert!(
                 Instant::now() < deadline,

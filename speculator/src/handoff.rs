@@ -120,9 +120,22 @@ mod tests {
         // A 14 ms round trip around a 16 ms forward, 1.3 tokens a round, idle verifier.
         let mut far = HandOff::default();
         for i in 0..=HandOff::MIN_ROUNDS {
-            assert!(!loaded.server_is_cheaper() && !far.server_is_cheaper(), "round {i}");
-            loaded.observe(&verdict(if i % 2 == 0 { 1 } else { 2 }, 8, 35.0, 2.4), 4, 0.001, 0.055);
-            far.observe(&verdict(if i % 3 == 0 { 2 } else { 1 }, 1, 16.0, 0.2), 3, 0.001, 0.031);
+            assert!(
+                !loaded.server_is_cheaper() && !far.server_is_cheaper(),
+                "round {i}"
+            );
+            loaded.observe(
+                &verdict(if i % 2 == 0 { 1 } else { 2 }, 8, 35.0, 2.4),
+                4,
+                0.001,
+                0.055,
+            );
+            far.observe(
+                &verdict(if i % 3 == 0 { 2 } else { 1 }, 1, 16.0, 0.2),
+                3,
+                0.001,
+                0.031,
+            );
         }
         assert!(loaded.server_is_cheaper(), "{:?}", loaded.per_token());
         assert!(far.server_is_cheaper(), "{:?}", far.per_token());

@@ -235,7 +235,10 @@ impl<'a> RoundDriver<'a> {
         !self.server_decodes
             && self.finish.is_none()
             && self.in_flight.is_none()
-            && self.hand_off.as_ref().is_some_and(HandOff::server_is_cheaper)
+            && self
+                .hand_off
+                .as_ref()
+                .is_some_and(HandOff::server_is_cheaper)
     }
 
     /// The verifier decodes the rest: from now on every verdict is a streamed round of its own,

@@ -758,11 +758,16 @@ async fn a_split_that_does_not_pay_hands_the_answer_to_the_verifier_losslessly()
     let mut streamed = Vec::new();
     let mut handing_off = run(true);
     let g = client
-        .generate(&mut handing_off, |out| streamed.extend_from_slice(&out.tokens))
+        .generate(&mut handing_off, |out| {
+            streamed.extend_from_slice(&out.tokens)
+        })
         .await
         .unwrap();
     assert_eq!(g.token_ids, reference, "the hand-off changed the output");
-    assert_eq!(streamed, reference, "text was lost or repeated in the stream");
+    assert_eq!(
+        streamed, reference,
+        "text was lost or repeated in the stream"
+    );
     assert!(
         g.stats.server_rounds > 0,
         "the verifier never took over: {:?}",
