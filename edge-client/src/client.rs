@@ -283,9 +283,11 @@ impl Client {
                 } else {
                     session.generate(ServerDrafting::Plain).await
                 };
-                generating = asked.is_ok();
                 match asked {
-                    Ok(()) => session.verdict().await,
+                    Ok(()) => {
+                        generating = true;
+                        session.verdict().await
+                    }
                     Err(e) => Err(e),
                 }
             } else {

@@ -219,8 +219,6 @@ impl<'a> RoundDriver<'a> {
         (self.committed.clone(), params)
     }
 
-    /// The generation ends, without a [`FinishReason`], once `stop` is set: the round in flight
-    /// (if any) is still taken, so what is committed stays what the verifier committed.
     /// Hands the rest of the answer to the verifier's own decoding once split rounds cost more
     /// per token than its plain steps (see [`HandOff`]): the caller then asks for it
     /// (`Generate` with plain drafting) when [`RoundDriver::wants_server_decoding`] says so.
@@ -268,6 +266,8 @@ impl<'a> RoundDriver<'a> {
         self.server_decodes
     }
 
+    /// The generation ends, without a [`FinishReason`], once `stop` is set: the round in flight
+    /// (if any) is still taken, so what is committed stays what the verifier committed.
     pub fn with_stop(mut self, stop: Arc<AtomicBool>) -> Self {
         self.stop = Some(stop);
         self
@@ -407,19 +407,26 @@ impl<'a> RoundDriver<'a> {
 
     /// Takes the verdict on the tree in flight, received at `now`.
     pub fn on_verified(&mut self, v: &Verified, now: f64) -> Result<RoundOutput, RoundError> {
+        if v.tokens.is_empty() && v.finish.is_none() {
+            return Err(RoundError::Protocol(
+                "a verdict that commits no token and does not finish".into(),
+            ));
+        }
         if self.server_decodes {
-            return self.on_server_round(v);
+            if !v.accepted_nodes.is_empty() {
+                return Err(RoundError::Protocol(
+                    "a round the verifier decoded on its own accepted tree nodes".into(),
+                ));
+            }
+            self.stats.server_rounds += 1;
+            self.stats.tree_nodes += v.stats.tree_nodes as usize;
+            return self.count_and_commit(v);
         }
         let Some(sent) = self.in_flight.take() else {
             return Err(RoundError::Protocol(
                 "a verdict with no round in flight".into(),
             ));
         };
-        if v.tokens.is_empty() && v.finish.is_none() {
-            return Err(RoundError::Protocol(
-                "a verdict that commits no token and does not finish".into(),
-            ));
-        }
         let round_s = (now - sent.sent_at).max(0.0);
         let forward_s = v.stats.forward_us as f64 * 1e-6;
         let queue_s = v.stats.queue_us as f64 * 1e-6;
@@ -462,28 +469,12 @@ impl<'a> RoundDriver<'a> {
                 }
             }
         }
-        self.stats.rounds += 1;
-        self.stats.accepted_per_round.push(v.tokens.len());
-        self.stats.verifier_forward_s += forward_s;
-        self.finish = v.finish;
-        self.commit(&v.tokens)
+        self.count_and_commit(v)
     }
 
-    /// A round the verifier decoded on its own (after [`RoundDriver::start_server_decoding`]).
-    fn on_server_round(&mut self, v: &Verified) -> Result<RoundOutput, RoundError> {
-        if v.tokens.is_empty() && v.finish.is_none() {
-            return Err(RoundError::Protocol(
-                "a verdict that commits no token and does not finish".into(),
-            ));
-        }
-        if !v.accepted_nodes.is_empty() {
-            return Err(RoundError::Protocol(
-                "a round the verifier decoded on its own accepted tree nodes".into(),
-            ));
-        }
+    /// Counts a verdict's round (split or the verifier's own) and commits its tokens.
+    fn count_and_commit(&mut self, v: &Verified) -> Result<RoundOutput, RoundError> {
         self.stats.rounds += 1;
-        self.stats.server_rounds += 1;
-        self.stats.tree_nodes += v.stats.tree_nodes as usize;
         self.stats.accepted_per_round.push(v.tokens.len());
         self.stats.verifier_forward_s += v.stats.forward_us as f64 * 1e-6;
         self.finish = v.finish;
