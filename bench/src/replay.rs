@@ -205,8 +205,18 @@ pub async fn replay(
     let conn = Remote::connect(remote).await?;
     let mut s = conn.open(1, rec.prompt.clone(), params.clone()).await?;
     let (mut trace, mut costs, mut pos) = (SessionTrace::default(), MeasuredCosts::default(), 0);
-    let mut rule = hand_off.then(HandOff::default);
+    let mut rule = hand_off.then(|| {
+        let mut rule = HandOff::default();
+        rule.start_from(s.costs(), s.rtt().as_secs_f64());
+        rule
+    });
     loop {
+        if rule.as_ref().is_some_and(HandOff::server_is_cheaper) {
+            trace.handed_off_after = Some(trace.verdicts.len());
+            s.generate(ServerDrafting::Plain).await?;
+            trace.stream_rest(&mut s, rec, &mut pos, arrival).await?;
+            break;
+        }
         let recorded = rec
             .trees
             .get(pos)
@@ -224,12 +234,6 @@ pub async fn replay(
             rule.observe(&v, sent_path_p.len() + 1, 0.0, (now - sent).as_secs_f64());
         }
         if trace.take(rec, &mut pos, &v, (now - arrival).as_secs_f64())? {
-            break;
-        }
-        if rule.as_ref().is_some_and(HandOff::server_is_cheaper) {
-            trace.handed_off_after = Some(trace.verdicts.len());
-            s.generate(ServerDrafting::Plain).await?;
-            trace.stream_rest(&mut s, rec, &mut pos, arrival).await?;
             break;
         }
     }

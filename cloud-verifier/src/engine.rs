@@ -26,10 +26,12 @@ use specinfer_speculator::{
     TreeShape,
 };
 use specinfer_wire::{
-    ErrorCode, Limits, RoundStats, SamplingParams, ServerDrafting, TokenTree, VerifyMode,
+    ErrorCode, Limits, RoundStats, SamplingParams, ServerDrafting, TokenTree, VerifierCosts,
+    VerifyMode,
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::costs::CostBook;
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
 use crate::quota::KeyRates;
@@ -129,6 +131,8 @@ pub type SessionId = u64;
 pub struct Opened {
     pub id: SessionId,
     pub resume_token: [u8; 16],
+    /// What a token costs on this verifier now, for the client's choice of the split.
+    pub costs: VerifierCosts,
 }
 
 pub struct Round {
@@ -381,6 +385,7 @@ pub fn spawn<M: TreeModel + 'static>(
                 next_id: 1,
                 server_draft,
                 forward_cost: AffineFit::default(),
+                costs: CostBook::default(),
                 epoch: Instant::now(),
                 draining: false,
                 prefixes: PrefixCache::new(cfg.prefix_cache_bytes),
@@ -446,6 +451,8 @@ struct Engine<M: TreeModel> {
     server_draft: Option<ServerDraft>,
     /// Forward seconds against nodes per forward: what one more node costs.
     forward_cost: AffineFit,
+    /// What a token costs now, split and plain, as opening sessions are told.
+    costs: CostBook,
     /// The origin of the drivers' clock.
     epoch: Instant,
     /// See [`EngineHandle::drain`].
@@ -1043,6 +1050,12 @@ impl<M: TreeModel> Engine<M> {
             .store(forward_nodes as u64, Ordering::Relaxed);
         let (_, per_node) = self.forward_cost.line();
         let node_price_ns = (per_node * rounds as f64 * 1e9).min(u32::MAX as f64) as u32;
+        self.costs.forward(
+            forward.as_secs_f64(),
+            forward_nodes,
+            rounds as usize,
+            per_node,
+        );
         self.metrics.batch_size.observe(jobs.len() as f64);
         self.metrics.forward_seconds.observe(forward.as_secs_f64());
         self.metrics.batches.fetch_add(1, Ordering::Relaxed);
@@ -1056,6 +1069,16 @@ impl<M: TreeModel> Engine<M> {
                     let reply = match result {
                         Ok(Done::Round(outcome)) => {
                             self.metrics.record_round(&outcome);
+                            if matches!(p.reply, Reply::Caller(_)) {
+                                self.costs.split_round(
+                                    outcome.tokens.len(),
+                                    p.tree.len(),
+                                    queue.as_secs_f64(),
+                                    forward.as_secs_f64(),
+                                    per_node * rounds.saturating_sub(1) as f64,
+                                    now,
+                                );
+                            }
                             let stats = RoundStats {
                                 tree_nodes: p.tree.len() as u32,
                                 batch_size: rounds,
@@ -1097,6 +1120,7 @@ impl<M: TreeModel> Engine<M> {
                             let _ = reply.send(Ok(Opened {
                                 id,
                                 resume_token: e.resume_token,
+                                costs: self.costs.now(now),
                             }));
                         }
                         self.sessions.insert(id, e);

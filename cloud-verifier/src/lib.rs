@@ -6,6 +6,7 @@
 //! drain), [`admin`] (metrics and probes over HTTP); frames and TLS come from `specinfer-net`.
 
 pub mod admin;
+pub mod costs;
 pub mod engine;
 pub mod metrics;
 pub mod prefix;

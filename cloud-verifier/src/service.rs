@@ -720,6 +720,7 @@ where
                     Message::SessionOpened(SessionOpened {
                         session: o.session,
                         resume_token: opened.resume_token,
+                        costs: opened.costs,
                     })
                 }
                 Err(e) => engine_error(e, o.session),

@@ -373,6 +373,7 @@ impl Client {
             let error = match remote.open(id, prompt, params).await {
                 Ok(session) => {
                     driver.set_limits(session.limits());
+                    driver.verifier_costs(session.costs(), session.rtt().as_secs_f64());
                     return Ok(session);
                 }
                 Err(e) => e,

@@ -7,7 +7,8 @@ use std::time::Duration;
 use crate::{client_config, read_frame, write_frame, NetError, Trust};
 use specinfer_wire::{
     ClientHello, ErrorCode, ErrorFrame, Limits, Message, ModelFingerprint, OpenSession,
-    SamplingParams, ServerDrafting, ServerHello, TokenTree, Verified, Verify, PROTOCOL_VERSION,
+    SamplingParams, ServerDrafting, ServerHello, TokenTree, Verified, VerifierCosts, Verify,
+    PROTOCOL_VERSION,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +140,8 @@ impl Remote {
             round: 0,
             resume_token,
             limits: self.limits,
+            costs: VerifierCosts::default(),
+            rtt: self.conn.rtt(),
             bytes_up: 0,
             bytes_down: 0,
         })
@@ -162,6 +165,8 @@ impl Remote {
         {
             Message::SessionOpened(o) if o.session == session => {
                 s.resume_token = o.resume_token;
+                s.costs = o.costs;
+                s.rtt = self.conn.rtt();
                 Ok(s)
             }
             other => Err(unexpected("SessionOpened", other)),
@@ -206,6 +211,10 @@ pub struct RemoteSession {
     round: u32,
     resume_token: [u8; 16],
     limits: Limits,
+    /// What a token costs on the verifier, as it said when the session opened.
+    costs: VerifierCosts,
+    /// The connection's smoothed round trip when the session opened.
+    rtt: Duration,
     pub bytes_up: usize,
     pub bytes_down: usize,
 }
@@ -235,6 +244,16 @@ impl RemoteSession {
     /// The verifier's limits (from its hello): what a tree sent on this session may hold.
     pub fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    /// What a token costs on the verifier (from its answer to the open, or to a re-open).
+    pub fn costs(&self) -> &VerifierCosts {
+        &self.costs
+    }
+
+    /// The connection's smoothed round trip as the session opened (QUIC's own estimate).
+    pub fn rtt(&self) -> Duration {
+        self.rtt
     }
 
     /// Sends one tree and waits for the verdict.

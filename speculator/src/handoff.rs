@@ -3,30 +3,41 @@
 //! A split round costs its user the round trip, the wait for a place in a forward, the forward
 //! over the whole tree and the drafting; it costs the verifier's other users the tree's extra
 //! nodes, at the price the verifier puts on a node ([`RoundStats::node_price_ns`]: its marginal
-//! forward cost times the sessions sharing the forward). The verifier decoding the session on
+//! forward cost times the sessions sharing the forward) less this session's own share, which
+//! its round already paid (alone in a forward, extra nodes cost nobody else anything, and an
+//! idle verifier's split is judged by its user's time alone). The verifier decoding the session on
 //! its own (`Generate` with plain drafting, as a server-only deployment runs) costs one node per
 //! token and no round trip: the session is in every forward, one token each, streamed.
 //!
 //! So per generated token, a split round is worth it only while
-//! `(draft + round + (nodes - 1) * price) / tokens` stays under the forward a plain step takes.
+//! `(draft + round + (nodes - 1) * others' price) / tokens` stays under the forward a plain step
+//! takes.
 //! On a verifier whose forward grows with every node (a CPU, or any engine under load) and with
 //! a draft that gets one or two tokens per round, that fails under load and at long round
 //! trips; then the answer is finished by the verifier, which an operator sees as a split that
 //! never serves fewer users than server-only decoding, and a user as an answer no slower.
 //! Both sides are measured from the verdicts alone (moving averages over the rounds after the
-//! first, whose prefill and warm-up say nothing about the next round), so the decision follows
-//! the verifier's load as it is now. The hand-off is final for the answer: the verifier streams
-//! to the end ([`specinfer_wire::Message::Generate`]); the next answer starts split again.
+//! first, whose warm-up says nothing about the next round), so the decision follows the
+//! verifier's load as it is now. Before the first round they start from what the verifier
+//! said when the session opened ([`VerifierCosts`]: its plain step and its recent split rounds,
+//! every session's) with this client's round trip, so a split that does not pay sends no tree
+//! at all; the client's drafting is left out of that start, which only ever favours the split,
+//! and its own rounds then correct it. The hand-off is final for the answer: the verifier streams
+//! to the end ([`specinfer_wire::Message::Generate`]); the next answer decides again from what
+//! its session is told.
 //!
 //! [`RoundStats::node_price_ns`]: specinfer_wire::RoundStats::node_price_ns
 
-use specinfer_wire::Verified;
+use specinfer_wire::{Verified, VerifierCosts};
 
 /// The two per-token costs, measured round by round (seconds).
 #[derive(Clone, Debug, Default)]
 pub struct HandOff {
     /// Verdicts seen, the first included.
     verdicts: usize,
+    /// Rounds the averages stand for: those measured, or [`HandOff::MIN_ROUNDS`] for costs the
+    /// verifier gave ([`HandOff::start_from`]).
+    measured: usize,
     /// What a split round cost per token it committed, counting what its extra nodes cost the
     /// verifier's other users.
     split_per_token: f64,
@@ -40,6 +51,21 @@ impl HandOff {
     /// The weight of the newest round in the moving averages.
     const SMOOTHING: f64 = 0.25;
 
+    /// Starts the averages from the verifier's costs for a client `rtt_s` away, as if
+    /// [`HandOff::MIN_ROUNDS`] rounds had measured them, unless rounds were measured already
+    /// (a session re-opened after a lost connection keeps what its rounds said). Costs the
+    /// verifier could not give leave it as it was.
+    pub fn start_from(&mut self, costs: &VerifierCosts, rtt_s: f64) {
+        if self.measured > 0 {
+            return;
+        }
+        if let Some((split, plain)) = costs.per_token(rtt_s) {
+            self.split_per_token = split;
+            self.server_per_token = plain;
+            self.measured = Self::MIN_ROUNDS;
+        }
+    }
+
     /// Takes the verdict on a split round: `round_s` from sending the tree to the verdict,
     /// `draft_s` spent drafting it, `tree_nodes` sent.
     pub fn observe(&mut self, v: &Verified, tree_nodes: usize, draft_s: f64, round_s: f64) {
@@ -50,14 +76,16 @@ impl HandOff {
         let extra = tree_nodes.saturating_sub(1) as f64;
         let price = v.stats.node_price_ns as f64 * 1e-9;
         // The verifier's price is its marginal cost per node times the rounds sharing the
-        // forward: this one's share is the marginal cost itself.
+        // forward: this one's share is the marginal cost itself, already in `round_s`; the
+        // rest is what the other rounds waited for this tree's extra nodes.
         let per_node = price / v.stats.batch_size.max(1) as f64;
         let forward = v.stats.forward_us as f64 * 1e-6;
-        let split = (draft_s + round_s + extra * price) / v.tokens.len() as f64;
+        let split = (draft_s + round_s + extra * (price - per_node)) / v.tokens.len() as f64;
         let server = (forward - extra * per_node).max(forward / (1.0 + extra));
-        let measured = self.verdicts - 1;
+        self.measured += 1;
+        let first = self.measured == 1;
         let ema = |old: f64, new: f64| {
-            if measured == 1 {
+            if first {
                 new
             } else {
                 (1.0 - Self::SMOOTHING) * old + Self::SMOOTHING * new
@@ -68,9 +96,10 @@ impl HandOff {
     }
 
     /// Whether the verifier decoding the rest on its own is cheaper per token than split rounds,
-    /// once [`HandOff::MIN_ROUNDS`] rounds have been measured.
+    /// once [`HandOff::MIN_ROUNDS`] rounds have been measured (or the verifier's costs stand
+    /// for them).
     pub fn server_is_cheaper(&self) -> bool {
-        self.verdicts > Self::MIN_ROUNDS && self.split_per_token > self.server_per_token
+        self.measured >= Self::MIN_ROUNDS && self.split_per_token > self.server_per_token
     }
 
     /// `(split, server)` seconds per token as measured so far.
@@ -110,6 +139,49 @@ mod tests {
             h.observe(&verdict(2, 1, 12.5, 0.1), 6, 0.0005, 0.013);
         }
         assert!(!h.server_is_cheaper(), "{:?}", h.per_token());
+        // Alone in its forwards, a session's extra nodes cost nobody else: at 1 ms a node its
+        // 6-node trees make 12.5 ms forwards of a 7.5 ms plain step, and 2 tokens in 13 ms
+        // still beat it.
+        let mut alone = HandOff::default();
+        for _ in 0..10 {
+            alone.observe(&verdict(2, 1, 12.5, 1.0), 6, 0.0005, 0.013);
+        }
+        let (split, server) = alone.per_token();
+        assert!(
+            (server - 0.0075).abs() < 1e-4 && split < server,
+            "{split} {server}"
+        );
+    }
+
+    #[test]
+    fn the_verifiers_costs_decide_before_the_first_round_and_rounds_correct_them() {
+        // A loaded verifier: 37 ms per split round for 1.5 tokens, 8 ms plain steps; a client
+        // 14 ms away hands off before any tree.
+        let costs = |plain_us, split_round_us, split_tokens_milli| VerifierCosts {
+            plain_step_us: plain_us,
+            split_round_us,
+            split_tokens_milli,
+        };
+        let loaded = costs(8_000, 37_000, 1_500);
+        let mut far = HandOff::default();
+        far.start_from(&loaded, 0.014);
+        assert!(far.server_is_cheaper(), "{:?}", far.per_token());
+        // A verifier that has seen no split round says nothing of it: measure first.
+        let mut unknown = HandOff::default();
+        unknown.start_from(&costs(8_000, 0, 0), 0.014);
+        assert!(!unknown.server_is_cheaper());
+        // An idle verifier next door keeps the split, until this client's own rounds say
+        // otherwise; a re-opened session keeps what they said.
+        let idle = costs(12_000, 13_000, 2_500);
+        let mut near = HandOff::default();
+        near.start_from(&idle, 0.0005);
+        assert!(!near.server_is_cheaper(), "{:?}", near.per_token());
+        for _ in 0..4 {
+            near.observe(&verdict(1, 1, 16.0, 0.2), 3, 0.001, 0.060);
+        }
+        assert!(near.server_is_cheaper(), "{:?}", near.per_token());
+        near.start_from(&idle, 0.0005);
+        assert!(near.server_is_cheaper(), "{:?}", near.per_token());
     }
 
     #[test]

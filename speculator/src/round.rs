@@ -21,7 +21,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use specinfer_model::{ModelError, Tokenizer};
-use specinfer_wire::{FinishReason, Limits, SamplingParams, TokenTree, Verified, VerifyMode};
+use specinfer_wire::{
+    FinishReason, Limits, SamplingParams, TokenTree, Verified, VerifierCosts, VerifyMode,
+};
 
 use crate::{AdaptiveLookup, ContextLookup, DraftModel, DraftedPart, HandOff, Speculator};
 
@@ -225,6 +227,15 @@ impl<'a> RoundDriver<'a> {
     pub fn with_hand_off(mut self, on: bool) -> Self {
         self.hand_off = on.then(HandOff::default);
         self
+    }
+
+    /// What the verifier said a token costs on it as the session opened, and the round trip to
+    /// it: with the hand-off on, they stand for the first rounds' measurements, so a split
+    /// that does not pay hands off before its first tree ([`HandOff::start_from`]).
+    pub fn verifier_costs(&mut self, costs: &VerifierCosts, rtt_s: f64) {
+        if let Some(h) = &mut self.hand_off {
+            h.start_from(costs, rtt_s);
+        }
     }
 
     /// Whether the caller should now ask the verifier to decode the rest on its own, and call

@@ -725,7 +725,8 @@ async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
 /// A split that costs more per token than the verifier's own decoding (here a 120 ms round trip
 /// through a real UDP relay around ~10 ms forwards) hands the rest of the answer to the
 /// verifier: the output stays the incremental one, the last rounds are the verifier's streamed
-/// steps, and far fewer round trips are paid than without the hand-off.
+/// steps, and far fewer round trips are paid than without the hand-off. A later session is
+/// told as it opens what the split costs, and sends no tree at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_that_does_not_pay_hands_the_answer_to_the_verifier_losslessly() {
     let (server, direct) = start_verifier(EngineConfig::default());
@@ -782,6 +783,19 @@ async fn a_split_that_does_not_pay_hands_the_answer_to_the_verifier_losslessly()
         split_rounds < all_split.stats.rounds,
         "{split_rounds} split rounds with the hand-off, {} without",
         all_split.stats.rounds
+    );
+    // The verifier now knows what its split rounds cost and tells the next session as it
+    // opens: that answer hands off before sending a single tree.
+    let (mut told, mut streamed) = (run(true), Vec::new());
+    let g = client
+        .generate(&mut told, |out| streamed.extend_from_slice(&out.tokens))
+        .await
+        .unwrap();
+    assert_eq!((&g.token_ids, &streamed), (&reference, &reference));
+    assert_eq!(
+        g.stats.server_rounds, g.stats.rounds,
+        "trees were sent although the verifier said the split does not pay: {:?}",
+        g.stats
     );
     client.shutdown().await;
     server.shutdown().await;

@@ -149,6 +149,7 @@ fn answer(
     let opened = encode_frame(&Message::SessionOpened(SessionOpened {
         session: session_id,
         resume_token: [7; 16],
+        costs: Default::default(),
     }));
     assert!(client.on_frame(body(&opened)).unwrap().contains("opened"));
     let (mut text, mut rounds, mut stream_round) = (String::new(), 0u32, 0u32);

@@ -139,6 +139,41 @@ pub struct SessionOpened {
     pub session: u64,
     /// Presented to resume the session on a new connection within the grace period.
     pub resume_token: [u8; 16],
+    /// What a token costs on this verifier now, split and plain, so a client can choose before
+    /// its first round.
+    pub costs: VerifierCosts,
+}
+
+/// What a generated token costs on a verifier now, from its recent rounds (every session's):
+/// what a client weighs, before its first round, against sending trees at all. A split round
+/// is worth it only while `(round trip + split_round_us) / split_tokens` stays under
+/// `plain_step_us`; the client knows its own round trip, the verifier knows the rest. Each
+/// field is 0 while the verifier has measured nothing it could put there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifierCosts {
+    /// Microseconds of forward a plain step (one node per session) costs a session now.
+    pub plain_step_us: u32,
+    /// Microseconds a recent client-drafted round cost at the verifier: its wait for a place,
+    /// its forward, and its tree's extra nodes at the price they cost the other sessions.
+    pub split_round_us: u32,
+    /// Thousandths of a token those rounds committed, on average; below 1000 (a round commits
+    /// at least one token) means unknown.
+    pub split_tokens_milli: u32,
+}
+
+impl VerifierCosts {
+    /// `(split, plain)` seconds per token for a client `rtt_s` away, once both are known.
+    pub fn per_token(&self, rtt_s: f64) -> Option<(f64, f64)> {
+        (self.plain_step_us > 0 && self.split_round_us > 0 && self.split_tokens_milli >= 1000).then(
+            || {
+                let tokens = self.split_tokens_milli as f64 / 1000.0;
+                (
+                    (rtt_s.max(0.0) + self.split_round_us as f64 * 1e-6) / tokens,
+                    self.plain_step_us as f64 * 1e-6,
+                )
+            },
+        )
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -139,12 +139,19 @@ fn message_strategy() -> impl Strategy<Value = Message> {
                     params
                 })
             ),
-        (any::<u64>(), any::<[u8; 16]>()).prop_map(|(session, resume_token)| {
-            Message::SessionOpened(SessionOpened {
-                session,
-                resume_token,
-            })
-        }),
+        (any::<u64>(), any::<[u8; 16]>(), any::<[u32; 3]>()).prop_map(
+            |(session, resume_token, [plain, round, tokens])| {
+                Message::SessionOpened(SessionOpened {
+                    session,
+                    resume_token,
+                    costs: VerifierCosts {
+                        plain_step_us: plain,
+                        split_round_us: round,
+                        split_tokens_milli: tokens,
+                    },
+                })
+            }
+        ),
         (any::<u64>(), any::<u32>(), tree_strategy()).prop_map(|(session, round, tree)| {
             Message::Verify(Verify {
                 session,
