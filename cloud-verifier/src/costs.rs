@@ -77,18 +77,18 @@ impl CostBook {
 
     /// What a session opening `now` is told.
     pub fn now(&self, now: Instant) -> VerifierCosts {
-        let us = |s: Option<f64>| (s.unwrap_or(0.0) * 1e6).clamp(0.0, u32::MAX as f64) as u32;
         let fresh = self
             .last_split
             .is_some_and(|t| now.saturating_duration_since(t) < Self::SPLIT_FRESH_FOR);
+        // A field, `per_unit` to one, 0 when unknown (or, for the split's, stale).
+        let field = |v: Option<f64>, per_unit: f64, told: bool| {
+            v.filter(|_| told)
+                .map_or(0, |v| (v * per_unit).clamp(0.0, u32::MAX as f64) as u32)
+        };
         VerifierCosts {
-            plain_step_us: us(self.plain_step_s),
-            split_round_us: if fresh { us(self.split_round_s) } else { 0 },
-            split_tokens_milli: if fresh {
-                (self.split_tokens.unwrap_or(0.0) * 1e3).clamp(0.0, u32::MAX as f64) as u32
-            } else {
-                0
-            },
+            plain_step_us: field(self.plain_step_s, 1e6, true),
+            split_round_us: field(self.split_round_s, 1e6, fresh),
+            split_tokens_milli: field(self.split_tokens, 1e3, fresh),
         }
     }
 }

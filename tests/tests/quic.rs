@@ -13,6 +13,7 @@ use specinfer_net::RemoteConfig;
 use specinfer_net::{client_config, read_frame, write_frame};
 use specinfer_speculator::{ContextLookup, DraftMode, Drafter, RoundDriver, Speculator};
 use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::service::RunningVerifier;
 use specinfer_wire::*;
 
 async fn generate(
@@ -25,6 +26,27 @@ async fn generate(
     let g = generate_on(&mut client, prompt, params, tree, None).await;
     client.shutdown().await;
     g
+}
+
+/// A fresh verifier, the chat prompt of `question`, greedy parameters, and the incremental
+/// answer the verifier gives it directly: what a client through a relay must reproduce.
+async fn greedy_reference(
+    question: &str,
+    max_new: u32,
+) -> (
+    RunningVerifier,
+    RemoteConfig,
+    Vec<u32>,
+    SamplingParams,
+    Vec<u32>,
+) {
+    let (server, direct) = start_verifier(EngineConfig::default());
+    let ids = chat_ids(question);
+    let params = SamplingParams::greedy(max_new);
+    let reference = generate(&direct, &ids, params.clone(), None)
+        .await
+        .token_ids;
+    (server, direct, ids, params, reference)
 }
 
 /// One generation on `client`: incremental, or with trees of `expansion` from a noisy SmolLM2;
@@ -675,13 +697,9 @@ async fn only_the_key_that_opened_a_session_can_resume_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
-    let (server, direct) = start_verifier(EngineConfig::default());
+    let (server, direct, ids, params, reference) =
+        greedy_reference("Name three rivers in Europe.", 40).await;
     let (llm, _) = smollm2();
-    let ids = chat_ids("Name three rivers in Europe.");
-    let params = SamplingParams::greedy(40);
-    let reference = generate(&direct, &ids, params.clone(), None)
-        .await
-        .token_ids;
 
     let relay = UdpRelay::start(direct.addr).await.unwrap();
     let remote = RemoteConfig {
@@ -729,13 +747,9 @@ async fn the_client_reconnects_after_its_network_dies_without_losing_text() {
 /// told as it opens what the split costs, and sends no tree at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_that_does_not_pay_hands_the_answer_to_the_verifier_losslessly() {
-    let (server, direct) = start_verifier(EngineConfig::default());
+    let (server, direct, ids, params, reference) =
+        greedy_reference("Describe a lighthouse at night.", 48).await;
     let (llm, _) = smollm2();
-    let ids = chat_ids("Describe a lighthouse at night.");
-    let params = SamplingParams::greedy(48);
-    let reference = generate(&direct, &ids, params.clone(), None)
-        .await
-        .token_ids;
     let relay = specinfer_net::UdpRelay::with_path(
         direct.addr,
         specinfer_net::RelayConfig::round_trip(Duration::from_millis(120)),
