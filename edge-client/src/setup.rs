@@ -323,7 +323,8 @@ impl ClientSetup {
     }
 
     /// The round driver for one generation after `ids`, drafting as set up in `draft_mode`,
-    /// streaming text.
+    /// streaming text. With a seed set up (`--seed`), a sampled answer is reproducible
+    /// ([`RoundDriver::reproducible`]).
     pub fn driver(
         &self,
         ids: &[u32],
@@ -334,11 +335,15 @@ impl ClientSetup {
             speculator: Speculator::for_request(shape.clone(), draft_mode, params.seed),
             drafts: self.drafts.iter().map(DraftSource::draft).collect(),
         });
-        Ok(RoundDriver::new(ids.to_vec(), params, drafter)?
+        let driver = RoundDriver::new(ids.to_vec(), params, drafter)?
             .with_lookup(self.lookup)
             .with_pipelining(self.pipeline)
             .with_hand_off(self.hand_off)
-            .with_text(self.tok.clone()))
+            .with_text(self.tok.clone());
+        Ok(match self.seed {
+            Some(_) => driver.reproducible(),
+            None => driver,
+        })
     }
 
     /// One generation on `client`; `on_text` gets each new piece of decoded text (end-of-turn

@@ -147,6 +147,11 @@ impl AdaptiveLookup {
         }
     }
 
+    /// The lookup it cuts.
+    pub fn config(&self) -> ContextLookup {
+        self.lookup
+    }
+
     /// [`ContextLookup::extend`] with the chain cut to the measured length.
     pub fn extend(
         &mut self,

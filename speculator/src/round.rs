@@ -229,6 +229,21 @@ impl<'a> RoundDriver<'a> {
         self
     }
 
+    /// A sampled answer that its seed must reproduce (a request that named one): the choices
+    /// that follow measured timings are left out, the hand-off and the lookup's cut (its chain
+    /// goes whole), so that with a fixed tree shape the seed alone decides what is drawn, on an
+    /// idle verifier as on a loaded one. Adaptive shapes still follow timings, and so does a
+    /// busy verifier's node cap. A greedy answer is the same whatever they choose: it keeps them.
+    pub fn reproducible(mut self) -> Self {
+        if self.params.mode == VerifyMode::Stochastic {
+            self.hand_off = None;
+            if let Some(Lookup::Adaptive(lookup)) = &self.lookup {
+                self.lookup = Some(Lookup::Uncut(lookup.config()));
+            }
+        }
+        self
+    }
+
     /// What the verifier said a token costs on it as the session opened, and the round trip to
     /// it: with the hand-off on, they stand for the first rounds' measurements, so a split
     /// that does not pay hands off before its first tree ([`HandOff::start_from`]).

@@ -10,7 +10,9 @@ use specinfer_model::ModelError;
 use specinfer_speculator::{
     ContextLookup, DraftMode, DraftModel, Drafter, Recovery, RoundDriver, Speculator, TreeShape,
 };
-use specinfer_wire::{FinishReason, RoundStats, SamplingParams, TokenTree, Verified};
+use specinfer_wire::{
+    FinishReason, RoundStats, SamplingParams, TokenTree, Verified, VerifierCosts, VerifyMode,
+};
 
 const VOCAB: usize = 64;
 const PATTERN: [u32; 7] = [10, 11, 12, 13, 14, 15, 16];
@@ -397,4 +399,35 @@ fn the_driver_refuses_rounds_out_of_order() {
         "the same verdict twice"
     );
     assert!(RoundDriver::new(Vec::new(), SamplingParams::greedy(4), None).is_err());
+}
+
+#[test]
+fn a_seeded_sampled_answer_does_not_hand_off_on_the_verifiers_load() {
+    // A loaded verifier and a client 14 ms away: the split does not pay, so the hand-off asks
+    // for the verifier's own decoding before any tree, unless a seed must reproduce a sampled
+    // answer (which decoding draws it must not depend on timings). A greedy answer is the same
+    // either way and hands off.
+    let loaded = VerifierCosts {
+        plain_step_us: 8_000,
+        split_round_us: 37_000,
+        split_tokens_milli: 1_500,
+    };
+    let sampled = SamplingParams {
+        mode: VerifyMode::Stochastic,
+        temperature: 0.8,
+        ..SamplingParams::greedy(16)
+    };
+    let wants_server = |params: SamplingParams, reproducible: bool| {
+        let mut d = RoundDriver::new(PROMPT.to_vec(), params, None)
+            .unwrap()
+            .with_hand_off(true);
+        if reproducible {
+            d = d.reproducible();
+        }
+        d.verifier_costs(&loaded, 0.014);
+        d.wants_server_decoding()
+    };
+    assert!(wants_server(sampled.clone(), false));
+    assert!(!wants_server(sampled, true));
+    assert!(wants_server(SamplingParams::greedy(16), true));
 }

@@ -150,6 +150,10 @@ async fn run(setup: &ClientSetup, client: &mut Client, job: Job) {
     });
     let generation = async {
         let mut driver = setup.driver(&ids, params, draft_mode)?.with_stop(stop);
+        // What OpenAI's API documents of a seed: the same request samples the same answer.
+        if body.get("seed").is_some() {
+            driver = driver.reproducible();
+        }
         let g = client
             .generate(&mut driver, |out| {
                 if !out.text.is_empty() {

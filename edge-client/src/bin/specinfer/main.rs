@@ -138,8 +138,9 @@ struct CommonArgs {
     /// Sample only among the k most likely tokens (sample mode); 0 disables.
     #[arg(long, default_value_t = 0)]
     top_k: u32,
-    /// Seed of the verifier's sampling RNG (sample mode): same seed, same output. Without it
-    /// every answer gets a fresh seed.
+    /// Seed of the verifier's sampling RNG (sample mode): same seed, same output with a fixed
+    /// --tree (an adaptive tree's shape follows measured timings; with a seed the hand-off and
+    /// the lookup's cut, which do too, are off). Without it every answer gets a fresh seed.
     #[arg(long)]
     seed: Option<u64>,
     /// Do not apply the chat template.
