@@ -508,8 +508,14 @@ mod end_to_end {
             .unwrap()
     }
 
+    /// Whether to hand the rest of the answer to the verifier's own decoding now, from what was
+    /// generated so far (asked before every split round).
+    type HandOffRule = fn(&[u32]) -> bool;
+
     /// Counts of (first, second) generated token over `trials` generations, every verdict
-    /// carrying `node_cap` (0: none), as a busy verifier's do.
+    /// carrying `node_cap` (0: none), as a busy verifier's do. Where `hand_off` says so, the
+    /// rest is decoded by the verifier on its own, as its engine does after `Generate`.
+    #[allow(clippy::too_many_arguments)]
     fn sample_pairs<'d>(
         llm: &Llama,
         draft: &dyn Fn() -> Box<dyn DraftModel + Send + 'd>,
@@ -518,6 +524,7 @@ mod end_to_end {
         trials: usize,
         tamper: bool,
         node_cap: u32,
+        hand_off: Option<HandOffRule>,
     ) -> Vec<u64> {
         let limits = Limits::default();
         let mut counts = vec![0u64; VOCAB * VOCAB];
@@ -554,6 +561,11 @@ mod end_to_end {
                 now.get()
             };
             while !driver.is_finished() {
+                if hand_off.is_some_and(|rule| rule(driver.generated())) {
+                    driver.start_server_decoding().unwrap();
+                    decode_on_the_verifier(llm, &mut session, &mut driver, round, &clock);
+                    break;
+                }
                 let mut tree = driver.draft(&clock).unwrap();
                 if tamper {
                     tree = tampered(tree);
@@ -588,6 +600,36 @@ mod end_to_end {
         counts
     }
 
+    /// The verifier decodes the rest of `session` on its own (a driver without drafts, as in
+    /// its engine), each verdict through the wire to the client's `driver`.
+    fn decode_on_the_verifier(
+        llm: &Llama,
+        session: &mut Session,
+        driver: &mut RoundDriver<'_>,
+        mut round: u32,
+        clock: &dyn Fn() -> f64,
+    ) {
+        let limits = Limits::default();
+        let mut own =
+            RoundDriver::new(session.tokens().to_vec(), session.params().clone(), None).unwrap();
+        while !driver.is_finished() {
+            let tree = own.draft(clock).unwrap();
+            let outcome = session.verify(llm, &limits, &tree).unwrap();
+            let stats = RoundStats {
+                tree_nodes: 1,
+                batch_size: 1,
+                ..RoundStats::default()
+            };
+            let verdict = outcome.into_verified(1, round, stats);
+            own.on_verified(&verdict, clock()).unwrap();
+            let Message::Verified(verdict) = through_the_wire(Message::Verified(verdict)) else {
+                unreachable!()
+            };
+            driver.on_verified(&verdict, clock()).unwrap();
+            round += 1;
+        }
+    }
+
     fn joint(llm: &Llama) -> Vec<f64> {
         let p1 = next(llm, &PROMPT);
         let mut joint = Vec::with_capacity(VOCAB * VOCAB);
@@ -610,7 +652,7 @@ mod end_to_end {
             TreeShape::Expansion(vec![2, 2]),
         ] {
             for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
-                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0);
+                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, None);
                 let pv = chi_square_p(&counts, &joint);
                 println!("{shape} {draw:?}: p-value {pv:.4}");
                 assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
@@ -619,7 +661,7 @@ mod end_to_end {
         // A busy verifier's node cap cuts the trees after the first round to their first nodes.
         for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
             let shape = TreeShape::Dynamic { budget: 8 };
-            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 3);
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 3, None);
             let pv = chi_square_p(&counts, &joint);
             println!("{shape} {draw:?} capped at 3 nodes: p-value {pv:.4}");
             assert!(
@@ -636,12 +678,37 @@ mod end_to_end {
             12_000,
             true,
             0,
+            None,
         );
         let pv = chi_square_p(&counts, &joint);
         assert!(
             pv < 1e-3,
             "misdeclared proposals passed: the test has no power (p-value {pv})"
         );
+    }
+
+    /// A split answer handed to the verifier's own decoding, before its first tree or after a
+    /// first round whose token was even (a decision that follows the tokens drawn, as the
+    /// hand-off's measured rates do): every token is still drawn from the LLM's conditional
+    /// given those before it, so the joint is the LLM's.
+    #[test]
+    fn an_answer_handed_to_the_verifier_keeps_the_llms_joint() {
+        let (llm, ssm) = (tiny(1), tiny(2));
+        let joint = joint(&llm);
+        let ssm = || Box::new(CachedDraft::new(&ssm)) as Box<dyn DraftModel + Send>;
+        let at_once: HandOffRule = |_| true;
+        let after_an_even_token: HandOffRule = |g| g.first().is_some_and(|t| t % 2 == 0);
+        for (name, rule) in [
+            ("at once", at_once),
+            ("after an even token", after_an_even_token),
+        ] {
+            let shape = TreeShape::Dynamic { budget: 8 };
+            let draw = DrawMode::WithoutReplacement;
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, Some(rule));
+            let pv = chi_square_p(&counts, &joint);
+            println!("handed off {name}: p-value {pv:.4}");
+            assert!(pv > 1e-3, "handed off {name}: joint is off, p-value {pv}");
+        }
     }
 
     /// The feature-conditioned drafter: the verifier returns the LLM's features with each
@@ -661,7 +728,7 @@ mod end_to_end {
             ),
             (TreeShape::Expansion(vec![2, 2]), DrawMode::Iid),
         ] {
-            let counts = sample_pairs(&llm, &draft, &shape, draw, 12_000, false, 0);
+            let counts = sample_pairs(&llm, &draft, &shape, draw, 12_000, false, 0, None);
             let pv = chi_square_p(&counts, &joint);
             println!("feature draft, {shape} {draw:?}: p-value {pv:.4}");
             assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
@@ -674,6 +741,7 @@ mod end_to_end {
             12_000,
             true,
             0,
+            None,
         );
         let pv = chi_square_p(&counts, &joint);
         assert!(pv < 1e-3, "misdeclared proposals passed (p-value {pv})");

@@ -1,7 +1,7 @@
 //! Capacity, as a fleet operator measures it: the verifier binary in its own process on its own
 //! core, open-loop Poisson arrivals of chat sessions from a load generator on the other core,
 //! every datagram through a UDP relay that adds the round trip. The same load, the same verifier
-//! and the same run, three ways:
+//! binary (a fresh process for each mode, started alike) and the same run, three ways:
 //!
 //! * server-only incremental decoding (the verifier decodes on its own with continuous batching
 //!   and streams; what a cloud API runs),
@@ -145,7 +145,7 @@ fn percentile(values: &[f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// Measures every workload in turn, each with its own verifier process.
+/// Measures every workload in turn.
 pub fn run(workloads: &[Workload], out: &Path) -> Result<Section> {
     let mut md = "## Capacity (issue #22)\n\n".to_string();
     let mut json = serde_json::Map::new();
@@ -184,27 +184,30 @@ fn run_workload(w: &Workload, out: &Path) -> Result<(String, Value)> {
 
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned = cores >= 2;
-    let verifier = VerifierProcess::start(pinned.then_some(0), &w.llm, &w.ssm)?;
     if pinned {
         pin_this_process("1")?;
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let result = rt.block_on(measure(w, &verifier, &recordings, &params));
+    let result = rt.block_on(measure(w, pinned.then_some(0), &recordings, &params));
     if pinned {
         pin_this_process(&format!("0-{}", cores - 1))?;
     }
     let (relay_rtts, table) = result?;
-    drop(verifier);
     report(w, &table, &relay_rtts, pinned, n_prompts, out)
 }
 
 type Table = Vec<(u64, Mode, Vec<Step>)>;
 
+/// Every mode at every round trip, each with a verifier process of its own (on `core`) that
+/// starts alike: the verifier keeps closed sessions' K/V for later sessions with the same
+/// prompt, and its cost book what its rounds cost, so a verifier shared by the modes measured
+/// each after what the one before had left (more cached prompts, or the costs of a heavier
+/// load) rather than as a deployment of that mode would run.
 async fn measure(
     w: &Workload<'_>,
-    verifier: &VerifierProcess,
+    core: Option<usize>,
     recordings: &Arc<Vec<Recording>>,
     params: &SamplingParams,
 ) -> Result<(Vec<(u64, f64, f64)>, Table)> {
@@ -217,36 +220,38 @@ async fn measure(
         eprintln!("      relay told {rtt} ms: ping p50 {p50:.2} ms, max {max:.2} ms");
         relay_rtts.push((rtt, p50, max));
     }
-    // Every prompt once, untimed: the verifier keeps closed sessions' K/V for later ones with
-    // the same prompt, so without this the first mode measured (server-only, at 0 ms) paid
-    // prefills that every later mode found cached.
-    let direct = verifier.remote(verifier.addr, w.ctx.tok.fingerprint())?;
-    for i in 0..recordings.len() {
-        one_session(
-            &direct,
-            recordings,
-            i,
-            params,
-            Mode::ServerIncremental,
-            Instant::now(),
-        )
-        .await?;
-    }
     let mut table = Vec::new();
     for rtt in RTTS_MS {
-        let relay = UdpRelay::with_path(
-            verifier.addr,
-            RelayConfig::round_trip(Duration::from_millis(rtt)),
-        )
-        .await?;
-        let remote = verifier.remote(relay.addr, w.ctx.tok.fingerprint())?;
         for &mode in &w.modes {
-            // One untimed session warms the verifier's caches and connections.
+            let verifier = VerifierProcess::start(core, &w.llm, &w.ssm)?;
+            // Every prompt once, untimed and without a round trip: each mode's first sessions
+            // find the prompts' K/V cached, as its later ones do.
+            let direct = verifier.remote(verifier.addr, w.ctx.tok.fingerprint())?;
+            for i in 0..recordings.len() {
+                let arrival = Instant::now();
+                one_session(
+                    &direct,
+                    recordings,
+                    i,
+                    params,
+                    Mode::ServerIncremental,
+                    arrival,
+                )
+                .await?;
+            }
+            let relay = UdpRelay::with_path(
+                verifier.addr,
+                RelayConfig::round_trip(Duration::from_millis(rtt)),
+            )
+            .await?;
+            let remote = verifier.remote(relay.addr, w.ctx.tok.fingerprint())?;
+            // One untimed session of the mode warms its connections (and, for the split, tells
+            // the verifier what a split round costs).
             one_session(&remote, recordings, 0, params, mode, Instant::now()).await?;
             let mut steps = Vec::new();
             for (i, &rate) in w.rates.iter().enumerate() {
                 let s = step(
-                    verifier, &remote, recordings, params, mode, rate, w.sessions, i as u64,
+                    &verifier, &remote, recordings, params, mode, rate, w.sessions, i as u64,
                 )
                 .await?;
                 eprintln!(
@@ -409,7 +414,8 @@ fn report(
     )?;
 
     let mut md = format!(
-        "### {}\n\nThe `specinfer-verifier` binary in its own process{}, the load generator in this one{}; \
+        "### {}\n\nThe `specinfer-verifier` binary in its own process{}, a fresh one for every mode at every round trip, \
+         its prefix cache warmed with every prompt once before it is measured; the load generator in this one{}; \
          every datagram through a UDP relay adding the round trip (measured with 20 UDP pings through it: {}). \
          Per arrival rate, {sessions} sessions ({prompts} prompts, greedy, at most {max_new} new tokens) arrive as a Poisson process, \
          each on its own QUIC connection. Split sessions replay trees recorded once with the real SSM (dynamic:32 at every position of the LLM's greedy answer) and check every verdict against the recorded answer; \
