@@ -6,6 +6,7 @@
 //! loads the models and prompts once and runs the sections asked for, in order.
 
 mod common;
+mod forward_cost;
 mod plot;
 mod replay;
 mod sections;

@@ -296,3 +296,91 @@ impl SessionTrace {
         Ok(v.finish.is_some())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use specinfer_edge::EmbeddedVerifier;
+    use specinfer_integration::{chat_ids, default_ssm, smollm2};
+    use specinfer_verifier::engine::EngineConfig;
+
+    /// The tokens a greedy verifier commits for `tree` drafted at answer position `pos`: the
+    /// tree's longest root path that spells the reference from `pos`, plus the LLM's own next
+    /// token, cut at the answer's end.
+    fn greedy_verdict(tree: &TokenTree, reference: &[u32], pos: usize) -> usize {
+        let children = tree.children();
+        let (mut node, mut accepted) = (0usize, 0usize);
+        while let Some(&next) = children[node]
+            .iter()
+            .find(|&&c| reference.get(pos + accepted) == Some(&tree.token(c as usize)))
+        {
+            node = next as usize;
+            accepted += 1;
+        }
+        (accepted + 1).min(reference.len() - pos)
+    }
+
+    /// Greedy verification is deterministic, so replayed trees come back as the recording
+    /// says, round by round: whole trees commit exactly the recorded tree's agreeing path, cut
+    /// trees the recorded answer; and a recording the verifier would not reproduce is caught
+    /// at the round where it parts from the LLM's answer.
+    #[test]
+    fn a_replay_reproduces_its_recorded_rounds_and_fails_where_they_are_wrong() {
+        let (llm, tok) = smollm2();
+        let params = SamplingParams {
+            stop_ids: tok.eos().to_vec(),
+            ..SamplingParams::greedy(24)
+        };
+        let prompts = vec![chat_ids("Name the three primary colours.")];
+        let mut recordings =
+            record(llm, default_ssm(), &prompts, &params, 32, &mut |_| {}).unwrap();
+        let rec = &recordings[0];
+        assert_eq!(rec.trees.len(), rec.reference.len());
+        assert!(rec.reference.len() > 8, "{:?}", rec.reference);
+        let verifier = EmbeddedVerifier::start(llm.clone(), tok, EngineConfig::default()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let run = |rec: &Recording, sizing| {
+            rt.block_on(replay(
+                &verifier.remote,
+                rec,
+                &params,
+                sizing,
+                false,
+                Instant::now(),
+            ))
+        };
+
+        let whole = run(rec, Sizing::Whole).unwrap();
+        let mut pos = 0;
+        for &(_, tokens) in &whole.verdicts {
+            assert_eq!(
+                tokens,
+                greedy_verdict(&rec.trees[pos].tree, &rec.reference, pos),
+                "at {pos}"
+            );
+            pos += tokens;
+        }
+        assert_eq!(pos, rec.reference.len());
+        assert!(
+            whole.verdicts.len() < rec.reference.len(),
+            "the SSM's trees accepted nothing"
+        );
+        assert_eq!(
+            run(rec, Sizing::LoadAware).unwrap().tokens(),
+            rec.reference.len()
+        );
+
+        let mut wrong = recordings.remove(0);
+        let k = wrong.reference.len() / 2;
+        wrong.reference[k] = if wrong.reference[k] == 0 {
+            1
+        } else {
+            wrong.reference[k] - 1
+        };
+        let err = run(&wrong, Sizing::Whole).unwrap_err().to_string();
+        assert!(err.contains("left the recorded greedy path"), "{err}");
+    }
+}

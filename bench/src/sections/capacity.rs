@@ -25,6 +25,7 @@ use specinfer_net::{probe_round_trips, RelayConfig, RemoteConfig, UdpRelay};
 use specinfer_wire::{SamplingParams, ServerDrafting};
 
 use crate::common::{Ctx, Section};
+use crate::forward_cost::{self, ForwardCost};
 use crate::plot::plot_lines;
 use crate::replay::{self, Recording, SessionTrace, Sizing};
 use crate::verifier_process::{pin_this_process, VerifierProcess};
@@ -112,6 +113,9 @@ struct Step {
     /// Of those, the sessions that did before their first tree (told by the verifier as they
     /// opened that the split does not pay).
     handed_off_at_once: usize,
+    /// The share of the verifier's CPU time spent in its batched forwards (forward,
+    /// verification, compaction); the rest is QUIC, sessions and scheduling.
+    forward_share: f64,
 }
 
 impl Step {
@@ -121,7 +125,8 @@ impl Step {
             "ttft_p50_ms": self.ttft_p50 * 1e3, "ttft_p99_ms": self.ttft_p99 * 1e3,
             "verifier_cpu_s_per_token": self.cpu_s_per_token, "nodes_per_forward": self.nodes_per_forward,
             "tokens_per_round": self.tokens_per_round, "sessions_handed_off": self.handed_off,
-            "sessions_handed_off_before_a_tree": self.handed_off_at_once})
+            "sessions_handed_off_before_a_tree": self.handed_off_at_once,
+            "forward_share_of_verifier_cpu": self.forward_share})
     }
 }
 
@@ -182,20 +187,31 @@ fn run_workload(w: &Workload, out: &Path) -> Result<(String, Value)> {
         &mut |done| eprintln!("      recorded {done}/{n_prompts}"),
     )?);
 
+    // Read before the process is pinned, which narrows what it reports.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pinned = cores >= 2;
-    if pinned {
-        pin_this_process("1")?;
-    }
+    // The engine's cost curve on the verifier's core, before any verifier runs there.
+    let context =
+        ctx.prompts.iter().map(Vec::len).sum::<usize>() / n_prompts.max(1) + max_new as usize / 2;
+    eprintln!("      timing the engine's batched forwards on core 0 ({context} cached tokens)");
+    let curve = forward_cost::measure(&ctx.llm, &ctx.prompts[0], context, 0, 5)?;
+    pin_this_process(if pinned { "1" } else { "0" })?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let result = rt.block_on(measure(w, pinned.then_some(0), &recordings, &params));
-    if pinned {
-        pin_this_process(&format!("0-{}", cores - 1))?;
-    }
+    pin_this_process(&format!("0-{}", cores - 1))?;
     let (relay_rtts, table) = result?;
-    report(w, &table, &relay_rtts, pinned, n_prompts, out)
+    report(
+        w,
+        &table,
+        &curve,
+        context,
+        &relay_rtts,
+        pinned,
+        n_prompts,
+        out,
+    )
 }
 
 type Table = Vec<(u64, Mode, Vec<Step>)>;
@@ -311,10 +327,12 @@ async fn step(
     seed: u64,
 ) -> Result<Step> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let (cpu0, batches0, nodes0) = (
+    const FORWARD_SECONDS: &str = "specinfer_forward_seconds_sum";
+    let (cpu0, batches0, nodes0, forward0) = (
         verifier.cpu_seconds()?,
         verifier.counter("specinfer_batches_total").await?,
         verifier.counter("specinfer_forward_nodes_total").await?,
+        verifier.counter(FORWARD_SECONDS).await?,
     );
     let start = Instant::now();
     let mut at = 0.0;
@@ -337,6 +355,7 @@ async fn step(
     let cpu = verifier.cpu_seconds()? - cpu0;
     let batches = verifier.counter("specinfer_batches_total").await? - batches0;
     let nodes = verifier.counter("specinfer_forward_nodes_total").await? - nodes0;
+    let forward = verifier.counter(FORWARD_SECONDS).await? - forward0;
     let tokens: usize = traces.iter().map(SessionTrace::tokens).sum();
     let rounds: usize = traces.iter().map(|t| t.verdicts.len()).sum();
     let tpot: Vec<f64> = traces.iter().map(SessionTrace::tpot).collect();
@@ -363,12 +382,16 @@ async fn step(
             .iter()
             .filter(|t| t.handed_off_after == Some(0))
             .count(),
+        forward_share: forward / cpu.max(1e-9),
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn report(
     w: &Workload,
     table: &Table,
+    curve: &[ForwardCost],
+    context: usize,
     relay_rtts: &[(u64, f64, f64)],
     pinned: bool,
     prompts: usize,
@@ -448,12 +471,28 @@ fn report(
         }
         md += "\n";
     }
-    md += "\nEvery step:\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | nodes per forward | tokens per round | sessions handed off (before their first tree) |\n|---|---|---|---|---|---|---|---|---|---|\n";
+    let (engine_md, engine_json) = forward_cost::report(curve, slo, context);
+    md += "\n";
+    md += &engine_md;
+    if let Some(peak) = forward_cost::peak(curve) {
+        md +=
+            "The engine's peak node rate against the server-only goodput measured within the SLO: ";
+        md += &rtts
+            .iter()
+            .map(|&rtt| {
+                let base = best_within_slo(find(rtt, Mode::ServerIncremental), slo);
+                format!("{:.2}x at {rtt} ms", peak.nodes_per_s() / base.max(1e-9))
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        md += ".\n";
+    }
+    md += "\nEvery step:\n\n| RTT ms | mode | arrivals/s | goodput tok/s | TPOT p50 / p99 ms | TTFT p50 / p99 ms | verifier CPU ms/token | forward share of it | nodes per forward | tokens per round | sessions handed off (before their first tree) |\n|---|---|---|---|---|---|---|---|---|---|---|\n";
     let mut steps_json = Vec::new();
     for (rtt, mode, steps) in table {
         for s in steps {
             md += &format!(
-                "| {rtt} | {} | {} | {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {:.2} | {:.1} | {:.2} | {} of {} ({} at once) |\n",
+                "| {rtt} | {} | {} | {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {:.2} | {:.0}% | {:.1} | {:.2} | {} of {} ({} at once) |\n",
                 mode.name(),
                 s.rate,
                 s.goodput,
@@ -462,6 +501,7 @@ fn report(
                 s.ttft_p50 * 1e3,
                 s.ttft_p99 * 1e3,
                 s.cpu_s_per_token * 1e3,
+                s.forward_share * 100.0,
                 s.nodes_per_forward,
                 s.tokens_per_round,
                 s.handed_off,
@@ -480,6 +520,6 @@ fn report(
     );
     let json = json!({"description": w.description, "slo_tpot_ms": slo * 1e3, "pinned": pinned, "sessions_per_step": sessions, "max_new_tokens": max_new,
         "relay_ping_ms": relay_rtts.iter().map(|(r, p50, max)| json!({"told": r, "p50": p50, "max": max})).collect::<Vec<_>>(),
-        "within_slo": headline, "steps": steps_json});
+        "within_slo": headline, "engine": engine_json, "steps": steps_json});
     Ok((md, json))
 }
