@@ -790,8 +790,12 @@ impl<M: TreeModel> Engine<M> {
         let hit = if params.return_features {
             None
         } else {
-            self.prefixes
-                .take_longest(&prompt[..prompt.len() - 1], MIN_PREFIX_TOKENS)
+            let model = &self.model;
+            self.prefixes.take_longest(
+                &prompt[..prompt.len() - 1],
+                MIN_PREFIX_TOKENS,
+                |cache, len| model.copy_prefix(cache, len),
+            )
         };
         // Cached prefixes give way to sessions.
         while self.reserved_bytes() + self.prefixes.bytes() + need > self.cfg.kv_budget_bytes

@@ -2,15 +2,20 @@
 //! looked up by token ids, so that a chat's next turn (its prompt is the last turn's prompt and
 //! answer, and more) or another request with the same system prompt prefills only what is new.
 //!
-//! An entry is one sequence's cache, moved in when its session closes and moved out to the
-//! session that reuses it (truncated to the shared prefix): no copy either way. Least recently
-//! stored entries go first when the budget, or the engine's KV budget, needs room.
+//! An entry is one sequence's cache, moved in when its session closes. A session whose prompt
+//! extends an entry's whole sequence (a chat's next turn) moves it out; one that shares only part
+//! of it (another request under the same system prompt, or the same prompt again, whose cached
+//! answer it will not repeat) gets a copy of the shared positions where the engine can copy, and
+//! the entry stays for the prompts it holds in full. Moving it out there lost those: requests
+//! cycling over a few prompts under one system prompt each took the previous one's entry and
+//! prefilled almost all of their own. Least recently stored or copied entries go first when the
+//! budget, or the engine's KV budget, needs room.
 
 use std::collections::VecDeque;
 
 /// Cached prefixes of type `C` (a model's per-sequence cache).
 pub struct PrefixCache<C> {
-    /// Oldest first.
+    /// Least recently stored or copied first.
     entries: VecDeque<Entry<C>>,
     bytes: usize,
     budget: usize,
@@ -69,9 +74,16 @@ impl<C> PrefixCache<C> {
         });
     }
 
-    /// Takes out the entry sharing the longest prefix with `prompt`, if that prefix has at
-    /// least `min_tokens` tokens. The caller truncates the cache to [`Hit::tokens`].
-    pub fn take_longest(&mut self, prompt: &[u32], min_tokens: usize) -> Option<Hit<C>> {
+    /// The K/V of the longest prefix `prompt` shares with an entry, if it has at least
+    /// `min_tokens` tokens: the entry itself, taken out, when `prompt` extends its whole
+    /// sequence or `copy` (the shared positions of an entry's cache) gives nothing; else that
+    /// copy, the entry staying. The caller truncates the cache to [`Hit::tokens`].
+    pub fn take_longest(
+        &mut self,
+        prompt: &[u32],
+        min_tokens: usize,
+        copy: impl FnOnce(&C, usize) -> Option<C>,
+    ) -> Option<Hit<C>> {
         let (best, shared) = self
             .entries
             .iter()
@@ -82,6 +94,16 @@ impl<C> PrefixCache<C> {
             return None;
         }
         let e = self.entries.remove(best).expect("an index from the scan");
+        if shared < e.tokens.len() {
+            if let Some(cache) = copy(&e.cache, shared) {
+                // Just used: the last to go when room is needed.
+                self.entries.push_back(e);
+                return Some(Hit {
+                    cache,
+                    tokens: shared,
+                });
+            }
+        }
         self.bytes -= e.bytes;
         Some(Hit {
             cache: e.cache,
@@ -121,6 +143,36 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 mod tests {
     use super::*;
 
+    /// An engine that cannot copy a cache.
+    fn no_copy(_: &&str, _: usize) -> Option<&'static str> {
+        None
+    }
+
+    #[test]
+    fn a_partly_shared_entry_is_copied_and_stays_for_its_own_prompt() {
+        let mut c = PrefixCache::new(1000);
+        // One prompt's sequence (system prompt 1, 2, then 3, 4) and another's (1, 2, then 9).
+        c.insert(vec![1, 2, 3, 4], "a", 40, 1);
+        c.insert(vec![1, 2, 9], "b", 30, 1);
+        let copied = |e: &&str, _: usize| Some(if *e == "a" { "copy of a" } else { "copy of b" });
+        // Another request under the system prompt: a copy of the two shared positions.
+        let hit = c.take_longest(&[1, 2, 5, 5], 1, copied).unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("copy of b", 2));
+        assert_eq!((c.len(), c.bytes()), (2, 70));
+        // The first prompt again still finds its own entry whole; its answer differs from the
+        // cached one after position 3, so it is copied too.
+        let hit = c.take_longest(&[1, 2, 3, 7], 1, copied).unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("copy of a", 3));
+        // A next turn extending a whole sequence moves the entry out.
+        let hit = c.take_longest(&[1, 2, 3, 4, 8], 1, copied).unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("a", 4));
+        assert_eq!((c.len(), c.bytes()), (1, 30));
+        // Where the engine cannot copy, a partly shared entry is moved out as before.
+        let hit = c.take_longest(&[1, 2, 5], 1, no_copy).unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("b", 2));
+        assert!(c.is_empty());
+    }
+
     #[test]
     fn the_longest_shared_prefix_is_taken_out_and_the_budget_holds() {
         let mut c = PrefixCache::new(100);
@@ -128,17 +180,20 @@ mod tests {
         c.insert(vec![1, 2, 9], "b", 40, 1);
         assert_eq!((c.len(), c.bytes()), (2, 80));
         // Shares 3 tokens with "a", 2 with "b".
-        let hit = c.take_longest(&[1, 2, 3, 7, 7], 1).unwrap();
+        let hit = c.take_longest(&[1, 2, 3, 7, 7], 1, no_copy).unwrap();
         assert_eq!((hit.cache, hit.tokens), ("a", 3));
         assert_eq!((c.len(), c.bytes()), (1, 40));
         // Below the minimum shared length: nothing.
-        assert!(c.take_longest(&[1, 2, 9, 9], 4).is_none());
-        assert!(c.take_longest(&[5], 1).is_none());
+        assert!(c.take_longest(&[1, 2, 9, 9], 4, no_copy).is_none());
+        assert!(c.take_longest(&[5], 1, no_copy).is_none());
         // Room is made by evicting the oldest; an entry over the whole budget is not kept.
         c.insert(vec![5, 6], "c", 40, 1);
         c.insert(vec![7, 8], "d", 40, 1);
         assert_eq!((c.len(), c.bytes()), (2, 80));
-        assert!(c.take_longest(&[1, 2, 9], 1).is_none(), "b was the oldest");
+        assert!(
+            c.take_longest(&[1, 2, 9], 1, no_copy).is_none(),
+            "b was the oldest"
+        );
         c.insert(vec![1], "huge", 101, 1);
         assert_eq!(c.len(), 2);
         // Too short to be worth keeping.

@@ -111,4 +111,23 @@ impl KvCache {
     pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
         (&self.k[layer], &self.v[layer])
     }
+
+    /// A new cache holding a copy of the first `len` committed positions (at most all of them),
+    /// sized to them alone.
+    pub fn prefix(&self, len: usize) -> KvCache {
+        let len = len.min(self.committed);
+        let copy = |layers: &[Vec<f32>]| -> Vec<Vec<f32>> {
+            layers
+                .iter()
+                .map(|l| l[..len * self.kv_row].to_vec())
+                .collect()
+        };
+        KvCache {
+            kv_row: self.kv_row,
+            committed: len,
+            scratch: 0,
+            k: copy(&self.k),
+            v: copy(&self.v),
+        }
+    }
 }

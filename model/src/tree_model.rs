@@ -44,6 +44,13 @@ pub trait TreeModel: Send + Sync {
     /// part of it.
     fn truncate(&self, cache: &mut Self::Cache, len: usize);
 
+    /// A new cache holding a copy of `cache`'s first `len` committed positions, or `None` where
+    /// this engine cannot copy one (then a reused prefix is moved out of the prefix cache
+    /// instead, and the entry's other positions are lost).
+    fn copy_prefix(&self, _cache: &Self::Cache, _len: usize) -> Option<Self::Cache> {
+        None
+    }
+
     /// Whether [`TreeModel::forward_trees`] gives every node's feature ([`Logits::feature`]),
     /// which a session asks for to feed a feature-conditioned drafter.
     fn gives_features(&self) -> bool;
@@ -95,6 +102,10 @@ impl TreeModel for Llama {
 
     fn truncate(&self, cache: &mut KvCache, len: usize) {
         cache.rollback(len.min(cache.committed()));
+    }
+
+    fn copy_prefix(&self, cache: &KvCache, len: usize) -> Option<KvCache> {
+        Some(cache.prefix(len))
     }
 
     fn gives_features(&self) -> bool {

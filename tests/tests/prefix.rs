@@ -1,6 +1,8 @@
 //! Prefix reuse end to end: a chat's second turn starts from the K/V the verifier kept of the
 //! first and prefills only what is new, another conversation reuses only the system prompt they
-//! share, and every answer is token for token what a verifier without the prefix cache gives.
+//! share (a copy: the chat's K/V stay for its own prompts, so its first question asked again
+//! reuses all of its prompt), and every answer is token for token what a verifier without the
+//! prefix cache gives.
 
 use specinfer_edge::Client;
 use specinfer_integration::{smollm2, start_verifier};
@@ -12,6 +14,15 @@ use specinfer_wire::SamplingParams;
 
 /// On one connection: a two-turn chat, then a new conversation with another question. Each
 /// answer, and each prompt's length.
+/// Greedy answers of at most 24 tokens.
+fn greedy() -> SamplingParams {
+    let (_, tok) = smollm2();
+    SamplingParams {
+        stop_ids: tok.eos().to_vec(),
+        ..SamplingParams::greedy(24)
+    }
+}
+
 async fn conversations(remote: &RemoteConfig) -> Vec<(Vec<u32>, usize)> {
     let (_, tok) = smollm2();
     let mut client = Client::connect(remote.clone()).await.unwrap();
@@ -21,12 +32,8 @@ async fn conversations(remote: &RemoteConfig) -> Vec<(Vec<u32>, usize)> {
     for (mut messages, next) in [(chat, Some("And of Italy?")), (other, None)] {
         loop {
             let prompt = tok.encode(&tok.chat_prompt(&messages)).unwrap();
-            let params = SamplingParams {
-                stop_ids: tok.eos().to_vec(),
-                ..SamplingParams::greedy(24)
-            };
             let len = prompt.len();
-            let mut driver = RoundDriver::new(prompt, params, None).unwrap();
+            let mut driver = RoundDriver::new(prompt, greedy(), None).unwrap();
             let g = client.generate(&mut driver, |_| {}).await.unwrap();
             out.push((g.token_ids.clone(), len));
             match (messages.len(), next) {
@@ -62,6 +69,24 @@ async fn reused_prefixes_prefill_only_what_is_new_and_change_no_answer() {
         reused > second / 2 + 16 && reused < second + other,
         "{reused} prompt tokens reused over prompts of {second} and {other}"
     );
+
+    // The first question again: the chat's K/V, which the other conversation only copied its
+    // system prompt from, hold all of its prompt but the last token (the first round's root).
+    let (_, tok) = smollm2();
+    let prompt = tok
+        .encode(&tok.chat_prompt(&[ChatMessage::new("user", "What is the capital of France?")]))
+        .unwrap();
+    let len = prompt.len();
+    let mut client = Client::connect(remote.clone()).await.unwrap();
+    let mut driver = RoundDriver::new(prompt, greedy(), None).unwrap();
+    let again = client.generate(&mut driver, |_| {}).await.unwrap();
+    client.shutdown().await;
+    let reused_again = m
+        .prefix_tokens_reused
+        .load(std::sync::atomic::Ordering::Relaxed) as usize
+        - reused;
+    assert_eq!(reused_again, len - 1, "of a prompt of {len}");
+    assert_eq!(again.token_ids, answers[0].0, "the same question, greedy");
     cached.shutdown().await;
 
     let (plain, remote) = start_verifier(EngineConfig {
