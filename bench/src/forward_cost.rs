@@ -137,13 +137,13 @@ pub fn report(curve: &[ForwardCost], slo: f64, context: usize) -> (String, Value
     }
     let server = server_only_bound(curve, slo);
     let peak = peak(curve);
-    let ratio = match (server, peak) {
-        (Some(s), Some(p)) => Some(p.nodes_per_s() / s.nodes_per_s()),
-        _ => None,
-    };
+    // Both bounds and the gain between them, where server-only has one.
+    let gain = server
+        .zip(peak)
+        .map(|(s, p)| (s, p, p.nodes_per_s() / s.nodes_per_s()));
     md += "\n";
-    match (server, peak, ratio) {
-        (Some(s), Some(p), Some(r)) => {
+    match gain {
+        Some((s, p, r)) => {
             md += &format!(
                 "Within the SLO ({:.0} ms per token) server-only forwards can batch {} sessions ({:.1} ms a forward): at most \
                  {:.0} tokens/s. A split can commit at most one token per node, so even if every node were accepted its \
@@ -158,7 +158,7 @@ pub fn report(curve: &[ForwardCost], slo: f64, context: usize) -> (String, Value
                 p.nodes_each
             )
         }
-        _ => md += &format!(
+        None => md += &format!(
             "No server-only forward kept within the SLO ({:.0} ms): even one session's step is slower.\n\n",
             slo * 1e3
         ),
@@ -169,7 +169,7 @@ pub fn report(curve: &[ForwardCost], slo: f64, context: usize) -> (String, Value
             "forward_ms": c.seconds * 1e3, "nodes_per_s": c.nodes_per_s()})).collect::<Vec<_>>(),
         "server_only_tokens_per_s_bound": server.map(ForwardCost::nodes_per_s),
         "peak_nodes_per_s": peak.map(ForwardCost::nodes_per_s),
-        "split_gain_bound": ratio,
+        "split_gain_bound": gain.map(|(_, _, r)| r),
     });
     (md, json)
 }

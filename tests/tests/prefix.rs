@@ -5,7 +5,7 @@
 //! prefix cache gives.
 
 use specinfer_edge::Client;
-use specinfer_integration::{smollm2, start_verifier};
+use specinfer_integration::{chat_ids, smollm2, start_verifier};
 use specinfer_model::ChatMessage;
 use specinfer_net::RemoteConfig;
 use specinfer_speculator::RoundDriver;
@@ -72,10 +72,7 @@ async fn reused_prefixes_prefill_only_what_is_new_and_change_no_answer() {
 
     // The first question again: the chat's K/V, which the other conversation only copied its
     // system prompt from, hold all of its prompt but the last token (the first round's root).
-    let (_, tok) = smollm2();
-    let prompt = tok
-        .encode(&tok.chat_prompt(&[ChatMessage::new("user", "What is the capital of France?")]))
-        .unwrap();
+    let prompt = chat_ids("What is the capital of France?");
     let len = prompt.len();
     let mut client = Client::connect(remote.clone()).await.unwrap();
     let mut driver = RoundDriver::new(prompt, greedy(), None).unwrap();
