@@ -37,9 +37,14 @@ impl FeatureDrafter {
     /// Whether `dir`'s `config.json` describes a feature-conditioned drafter (not an SSM).
     pub fn is_feature_draft(dir: &Path) -> bool {
         std::fs::read_to_string(dir.join("config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .is_some_and(|v| v["specinfer_draft"] == FEATURE_DRAFT_KIND)
+            .is_ok_and(|t| Self::describes_feature_draft(&t))
+    }
+
+    /// Whether a `config.json`'s text describes a feature-conditioned drafter (a browser has the
+    /// text, not a folder).
+    pub fn describes_feature_draft(config_json: &str) -> bool {
+        serde_json::from_str::<serde_json::Value>(config_json)
+            .is_ok_and(|v| v["specinfer_draft"] == FEATURE_DRAFT_KIND)
     }
 
     pub fn from_safetensors(dir: &Path) -> Result<Self> {

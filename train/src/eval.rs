@@ -3,13 +3,15 @@
 //! of the SSM, or of any SSM of an ensemble?) for greedy and stochastic decoding, and the tokens
 //! per round of real greedy speculation against the LLM (trees merged across an ensemble).
 
+use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use specinfer_kernels::sampling::distribution;
-use specinfer_model::{KvCache, Llama, SeqTree};
+use specinfer_model::{FeatureDrafter, KvCache, Llama, SeqTree};
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
+    Speculator, TreeShape,
 };
 use specinfer_wire::{Limits, RoundStats, SamplingParams, TokenTree, VerifyMode};
 
@@ -196,6 +198,31 @@ pub fn tau_with(
 /// Mean tokens per round with trees of `shape` (plus `lookup`'s chain) after each prompt: greedy
 /// (`temperature` None), or sampling at that temperature (top-p 1, each prompt its own seed)
 /// with the clients' sampled drafts.
+/// A drafter folder, loaded as what its config.json says it is.
+pub enum DrafterFolder {
+    Ssm(Llama),
+    Feature(FeatureDrafter),
+}
+
+impl DrafterFolder {
+    pub fn load(dir: &Path) -> Result<Self> {
+        let loading = || format!("loading {}", dir.display());
+        Ok(if FeatureDrafter::is_feature_draft(dir) {
+            DrafterFolder::Feature(FeatureDrafter::from_safetensors(dir).with_context(loading)?)
+        } else {
+            DrafterFolder::Ssm(Llama::from_safetensors(dir).with_context(loading)?)
+        })
+    }
+
+    /// A fresh draft over it (one per generation).
+    pub fn draft(&self) -> Box<dyn DraftModel + Send + '_> {
+        match self {
+            DrafterFolder::Ssm(m) => Box::new(CachedDraft::new(m)),
+            DrafterFolder::Feature(f) => Box::new(FeatureDraft::new(f)),
+        }
+    }
+}
+
 pub fn tau_decoding(
     llm: &Llama,
     ssms: &[&Llama],

@@ -41,18 +41,28 @@ pub fn file_sha256(path: &Path) -> Result<String> {
         .collect())
 }
 
+/// SHA-256 of examples made here rather than read from a file (the recorded answers).
+pub fn examples_sha256(examples: &[Example]) -> Result<String> {
+    let mut h = Sha256::new();
+    for e in examples {
+        h.update(serde_json::to_vec(e)?);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Records the LLM's features of every example (its last `max_len` tokens), or loads them from
-/// `cache` when it was recorded from the same teacher answers (`teacher_sha256`).
+/// `cache` when it was recorded from the same examples (`source_sha256`: of the teacher's answer
+/// file, or [`examples_sha256`] of examples made in memory).
 pub fn record(
     llm: &Llama,
     examples: &[Example],
     max_len: usize,
-    teacher_sha256: &str,
+    source_sha256: &str,
     cache: &Path,
 ) -> Result<FeatureSet> {
     let dim = llm.config().d_model;
     let meta_path = cache.with_extension("json");
-    let meta = serde_json::json!({"teacher_sha256": teacher_sha256, "max_len": max_len, "examples": examples.len(), "dim": dim});
+    let meta = serde_json::json!({"source_sha256": source_sha256, "max_len": max_len, "examples": examples.len(), "dim": dim});
     if cache.exists()
         && std::fs::read_to_string(&meta_path)
             .ok()
@@ -60,7 +70,7 @@ pub fn record(
             .is_some_and(|m| m == meta)
     {
         eprintln!(
-            "      features recorded earlier from the same answers: {}",
+            "      features recorded earlier from the same examples: {}",
             cache.display()
         );
         return load(cache, dim);

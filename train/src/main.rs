@@ -30,8 +30,9 @@ enum Command {
     Boost(BoostArgs),
     /// Table 1 for SSMs alone and merged: top-k alignment (greedy and stochastic) and tau.
     Eval(EvalArgs),
-    /// Tokens per LLM pass (tau) of an SSM on held-out ShareGPT prompts, greedy and sampling,
-    /// for each tree shape given: what a tree or drafter change is judged by.
+    /// Tokens per LLM pass (tau) of an SSM or a feature-conditioned drafter on held-out
+    /// ShareGPT prompts, greedy and sampling, for each tree shape given: what a tree or drafter
+    /// change is judged by.
     Tau(TauArgs),
     /// Train (or only evaluate) the feature-conditioned drafter: EAGLE's one layer over the
     /// LLM's own features, which the verifier returns with its verdicts.
@@ -40,7 +41,8 @@ enum Command {
 
 #[derive(clap::Args)]
 struct TauArgs {
-    /// The SSM folder.
+    /// The drafter's folder: an SSM, or a feature-conditioned drafter (its config.json says
+    /// which; the in-process verifier then returns the LLM's features with every verdict).
     #[arg(long, default_value = "models/ssm")]
     ssm: PathBuf,
     /// Held-out prompts (the same ones `run` holds out).
@@ -183,8 +185,8 @@ fn main() -> Result<()> {
 /// Prints a Markdown table of greedy and sampled tau per tree shape.
 fn tau_table(a: TauArgs) -> Result<()> {
     let (llm, tok) = load_llm(&None)?;
-    let ssm =
-        Llama::from_safetensors(&a.ssm).with_context(|| format!("loading {}", a.ssm.display()))?;
+    let drafter = eval::DrafterFolder::load(&a.ssm)?;
+    let drafts = || vec![drafter.draft()];
     let prompts: Vec<Vec<u32>> = data::prompts(&fetch::cache_dir(), 1000)?
         .into_iter()
         .filter(|p| data::held_out(p))
@@ -200,10 +202,11 @@ fn tau_table(a: TauArgs) -> Result<()> {
     for tree in &a.tree {
         let shape: specinfer_speculator::TreeShape = tree.parse().map_err(anyhow::Error::msg)?;
         let t0 = std::time::Instant::now();
-        let greedy = eval::tau_decoding(&llm, &[&ssm], &prompts, a.max_new, &shape, lookup, None)?;
-        let sampled = eval::tau_decoding(
+        let greedy =
+            eval::tau_decoding_with(&llm, &drafts, &prompts, a.max_new, &shape, lookup, None)?;
+        let sampled = eval::tau_decoding_with(
             &llm,
-            &[&ssm],
+            &drafts,
             &prompts,
             a.max_new,
             &shape,

@@ -1,5 +1,6 @@
-//! specinfer in the browser: the SSM drafts token trees locally (the same speculator core and
-//! model code as the native client, compiled to `wasm32-unknown-unknown`), the verifier decides.
+//! specinfer in the browser: the SSM, or the feature-conditioned drafter, drafts token trees
+//! locally (the same speculator core and model code as the native client, compiled to
+//! `wasm32-unknown-unknown`), the verifier decides.
 //!
 //! Sans-I/O: [`BrowserClient`] turns user actions into protocol frames and frames into text.
 //! JavaScript only moves bytes over a WebTransport stream (reading a frame = 4 length bytes,
@@ -10,10 +11,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use specinfer_model::{ChatMessage, Llama, Tokenizer};
+use specinfer_model::{ChatMessage, FeatureDrafter, Llama, Tokenizer};
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, Drafter, GenerationStats, Recovery, RoundDriver,
-    RoundError, RoundOutput, Speculator, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, GenerationStats,
+    Recovery, RoundDriver, RoundError, RoundOutput, Speculator, TreeShape,
 };
 use specinfer_wire::{
     decode_frame, encode_frame, frame_len, ClientHello, ErrorCode, Limits, Message, OpenSession,
@@ -98,10 +99,12 @@ extern "C" {
 
 #[wasm_bindgen]
 impl BrowserClient {
-    /// `ssm_config` and `ssm_weights`: the SSM folder's config.json and model.safetensors;
-    /// `tokenizer_json` and `chat_json`: the LLM's tokenizer and chat settings; `tree`: a tree
-    /// shape as the CLI takes it (e.g. "adaptive:dynamic:32", the CLI's greedy default), cut to
-    /// what the rounds' measured times make pay.
+    /// `ssm_config` and `ssm_weights`: the drafter folder's config.json and model.safetensors,
+    /// an SSM or a feature-conditioned drafter (its config says which; the latter asks the
+    /// verifier for the LLM's features with every session); `tokenizer_json` and `chat_json`:
+    /// the LLM's tokenizer and chat settings; `tree`: a tree shape as the CLI takes it (e.g.
+    /// "adaptive:dynamic:32", the CLI's greedy default), cut to what the rounds' measured times
+    /// make pay.
     #[wasm_bindgen(constructor)]
     pub fn new(
         ssm_config: &str,
@@ -114,15 +117,23 @@ impl BrowserClient {
             serde_json::from_str(chat_json).map_err(|e| BrowserError::Settings(e.to_string()))?;
         let tokenizer =
             Tokenizer::from_json(tokenizer_json, settings.bos, settings.eos, settings.system)?;
-        let ssm = Llama::from_safetensors_bytes(ssm_config, ssm_weights, Path::new("ssm"))?;
         let shape: TreeShape = tree.parse().map_err(BrowserError::Settings)?;
         // The page holds one model for its lifetime: leaking it gives the draft a 'static borrow.
-        let ssm: &'static Llama = Box::leak(Box::new(ssm));
+        let origin = Path::new("ssm");
+        let draft: Box<dyn DraftModel + Send> =
+            if FeatureDrafter::describes_feature_draft(ssm_config) {
+                let drafter =
+                    FeatureDrafter::from_safetensors_bytes(ssm_config, ssm_weights, origin)?;
+                Box::new(FeatureDraft::new(Box::leak(Box::new(drafter))))
+            } else {
+                let ssm = Llama::from_safetensors_bytes(ssm_config, ssm_weights, origin)?;
+                Box::new(CachedDraft::new(Box::leak(Box::new(ssm))))
+            };
         Ok(BrowserClient {
             tokenizer: Arc::new(tokenizer),
             drafter: Some(Drafter {
                 speculator: Speculator::with_shape(shape, DraftMode::Greedy, 0),
-                drafts: vec![Box::new(CachedDraft::new(ssm))],
+                drafts: vec![draft],
             }),
             driver: None,
             limits: Limits::default(),

@@ -1,11 +1,12 @@
 //! The browser client's protocol logic, natively: with the default SSM drafting and SmolLM2
 //! verifying in-process, its greedy answer equals incremental decoding token for token (with
 //! the context lookup on, and through a lost round resumed or a session re-opened), its
-//! streamed text equals the decoded answer, and bad frames are refused.
+//! streamed text equals the decoded answer, and bad frames are refused. The same with the
+//! feature-conditioned drafter, which drafts from the LLM's features the verdicts carry.
 
 use std::path::PathBuf;
 
-use specinfer_model::{fetch, load_gguf};
+use specinfer_model::{fetch, load_gguf, Tokenizer};
 use specinfer_verifier::Session;
 use specinfer_wasm::BrowserClient;
 use specinfer_wire::*;
@@ -22,8 +23,8 @@ fn decode(frame: &[u8]) -> Message {
     decode_frame(body(frame), &Limits::default()).unwrap()
 }
 
-#[test]
-fn browser_client_answers_exactly_like_the_llm_alone() {
+/// The LLM and its tokenizer, and the tokenizer and chat settings as the page serves them.
+fn llm_and_page_files() -> (specinfer_model::Llama, Tokenizer, String, String) {
     let cache = std::env::var_os("SPECINFER_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo().join(".cache/specinfer"));
@@ -35,15 +36,26 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
     let chat_json =
         serde_json::json!({"bos": tok.bos(), "eos": tok.eos(), "system": tok.default_system()})
             .to_string();
-    let ssm = repo().join("models/ssm");
-    let mut client = BrowserClient::new(
-        &std::fs::read_to_string(ssm.join("config.json")).unwrap(),
-        &std::fs::read(ssm.join("model.safetensors")).unwrap(),
-        &tokenizer_json,
-        &chat_json,
-        "1,1,3,1",
+    (llm, tok, tokenizer_json, chat_json)
+}
+
+/// A client drafting with the drafter folder `models/NAME`.
+fn client_with(name: &str, tokenizer_json: &str, chat_json: &str, tree: &str) -> BrowserClient {
+    let dir = repo().join("models").join(name);
+    BrowserClient::new(
+        &std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        &std::fs::read(dir.join("model.safetensors")).unwrap(),
+        tokenizer_json,
+        chat_json,
+        tree,
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn browser_client_answers_exactly_like_the_llm_alone() {
+    let (llm, tok, tokenizer_json, chat_json) = llm_and_page_files();
+    let mut client = client_with("ssm", &tokenizer_json, &chat_json, "1,1,3,1");
 
     match decode(&client.hello(Some("key".into()))) {
         Message::ClientHello(h) => assert_eq!(h.expected_model, tok.fingerprint()),
@@ -99,6 +111,32 @@ fn browser_client_answers_exactly_like_the_llm_alone() {
     // A header announcing more than the limits allow is refused before any allocation.
     assert!(client.frame_len(&u32::MAX.to_le_bytes()).is_err());
     assert!(client.frame_len(&[1, 2]).is_err());
+}
+
+#[test]
+fn browser_client_drafts_from_the_llms_features_and_answers_like_the_llm_alone() {
+    let (llm, _, tokenizer_json, chat_json) = llm_and_page_files();
+    let mut client = client_with("feature-draft", &tokenizer_json, &chat_json, "dynamic:16");
+    for loss in [Loss::None, Loss::Reopen] {
+        let (ids, _, stats, opened) = answer(&mut client, &llm, "Name two oceans.", 0.0, loss);
+        assert!(
+            opened.1.return_features,
+            "{loss:?}: the session did not ask for features"
+        );
+        assert_eq!(
+            ids,
+            incremental(&llm, opened),
+            "{loss:?}: speculation changed the answer"
+        );
+        // Until features arrive a feature draft sends the root alone: trees beyond it, and
+        // tokens beyond one a round, show that the verdicts' features reached the drafter.
+        let (rounds, nodes) = (
+            stats["rounds"].as_u64().unwrap(),
+            stats["drafted_nodes"].as_u64().unwrap(),
+        );
+        assert!(nodes > 2 * rounds, "{loss:?}: {stats}");
+        assert!(stats["tau"].as_f64().unwrap() > 1.3, "{loss:?}: {stats}");
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -225,7 +263,7 @@ fn answer(
                 forward_us: 0,
                 ..RoundStats::default()
             },
-            features: None,
+            features: out.features,
         }));
         // The same answer again (a replayed or misrouted frame) is refused.
         let event: serde_json::Value =

@@ -176,7 +176,8 @@ struct ServeArgs {
     /// Folder with index.html, specinfer-chat.js and pkg/ (web/build.sh builds pkg/).
     #[arg(long, default_value = "web")]
     web_dir: PathBuf,
-    /// The SSM the page drafts with.
+    /// The drafter the page drafts with: an SSM folder, or a feature-conditioned drafter
+    /// (models/feature-draft; its pages ask this verifier for the LLM's features).
     #[arg(long, default_value = "models/ssm")]
     web_ssm: PathBuf,
     /// API key handed to the page (one of --api-keys); needed with --web unless
