@@ -13,10 +13,10 @@ use specinfer_model::{
     gguf_tokenizer_and_context, load_gguf, ChatMessage, FeatureDrafter, Llama, Tokenizer,
 };
 use specinfer_net::{NetError, RemoteConfig, Trust, VerifierAddrs};
-use specinfer_onnx::OnnxModel;
+use specinfer_onnx::{OnnxFeatureModel, OnnxModel};
 use specinfer_speculator::{
-    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
-    RoundError, Speculator, TreeScorer, TreeShape,
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, FeatureScorer,
+    RoundDriver, RoundError, Speculator, TreeScorer, TreeShape,
 };
 use specinfer_wire::{Limits, SamplingParams, VerifyMode};
 
@@ -61,7 +61,8 @@ type Result<T> = std::result::Result<T, SetupError>;
 pub enum DraftBackend {
     /// specinfer's own kernels.
     Candle,
-    /// ONNX Runtime (the SSM exported to ONNX once and cached).
+    /// ONNX Runtime (the SSM, or the feature-conditioned drafter, exported to ONNX once and
+    /// cached).
     Onnx,
 }
 
@@ -168,8 +169,9 @@ pub fn parse_tree(tree: &str) -> Result<Option<TreeShape>> {
 pub enum DraftSource {
     /// A standalone SSM (candle or ONNX Runtime), or the LLM itself.
     Scorer(Arc<dyn TreeScorer + Send>),
-    /// A feature-conditioned drafter: its sessions ask the verifier for the LLM's features.
-    Feature(Arc<FeatureDrafter>),
+    /// A feature-conditioned drafter (candle or ONNX Runtime): its sessions ask the verifier
+    /// for the LLM's features.
+    Feature(Arc<dyn FeatureScorer + Send>),
 }
 
 impl DraftSource {
@@ -177,7 +179,7 @@ impl DraftSource {
     pub fn draft(&self) -> Box<dyn DraftModel + Send + '_> {
         match self {
             DraftSource::Scorer(m) => Box::new(CachedDraft::new(m.as_ref())),
-            DraftSource::Feature(m) => Box::new(FeatureDraft::new(m)),
+            DraftSource::Feature(m) => Box::new(FeatureDraft::new(m.as_ref())),
         }
     }
 }
@@ -439,7 +441,9 @@ fn load_drafts(
                 let lib =
                     specinfer_onnx::runtime_library(&mut |e| progress(&SetupEvent::Fetch(e)))?;
                 specinfer_onnx::init_runtime(&lib)?;
-                let onnx = onnx_export(p, &m, &ssm_sha, progress)?;
+                let onnx = onnx_export(p, "ssm", &ssm_sha, progress, &|path, meta| {
+                    m.export_onnx(path, meta)
+                })?;
                 // One intra-op thread: a draft model this small gains nothing from more, and
                 // they would compete with the verifier's threads.
                 let model = OnnxModel::load(&onnx, 1).map_err(|e| {
@@ -464,8 +468,8 @@ fn load_drafts(
 }
 
 /// A feature-conditioned drafter folder (`"specinfer_draft": "feature"` in its config), checked
-/// to have the LLM's tokenizer. It runs on candle only (its ONNX export is not built yet), and
-/// reads features that only a verifier serving the same LLM sends.
+/// to have the LLM's tokenizer, on the chosen backend (ONNX Runtime runs its export, made once
+/// into the cache). It reads features that only a verifier serving the same LLM sends.
 fn load_feature_drafter(
     dir: &Path,
     tok: &Tokenizer,
@@ -473,22 +477,36 @@ fn load_feature_drafter(
     progress: &mut dyn FnMut(&SetupEvent),
 ) -> Result<DraftSource> {
     let path = dir.display();
-    if ssm_folder_tokenizer_sha(dir, tok)? != tok.sha256() {
+    let tok_sha = ssm_folder_tokenizer_sha(dir, tok)?;
+    if tok_sha != tok.sha256() {
         return Err(SetupError::Invalid(format!(
             "the drafter {path} has another tokenizer than the LLM: token ids would not agree"
         )));
     }
-    if matches!(opts.backend, DraftBackend::Onnx) {
-        return Err(SetupError::Invalid(format!(
-            "{path} is a feature-conditioned drafter, which runs on the candle backend only: drop --backend onnx"
-        )));
-    }
     let m = FeatureDrafter::from_safetensors(dir)
         .map_err(|e| SetupError::from(e).context(format!("loading drafter {path}")))?;
+    let model: Arc<dyn FeatureScorer + Send> = match opts.backend {
+        DraftBackend::Candle => Arc::new(m),
+        DraftBackend::Onnx => {
+            let lib = specinfer_onnx::runtime_library(&mut |e| progress(&SetupEvent::Fetch(e)))?;
+            specinfer_onnx::init_runtime(&lib)?;
+            let onnx = onnx_export(dir, "feature-draft", &tok_sha, progress, &|p, meta| {
+                m.export_onnx(p, meta)
+            })?;
+            let model = OnnxFeatureModel::load(&onnx, 1).map_err(|e| {
+                SetupError::from(e).context(format!("loading {} in ONNX Runtime", onnx.display()))
+            })?;
+            Arc::new(model)
+        }
+    };
     progress(&SetupEvent::Note(format!(
-        "drafting from the LLM's features with {path} (the verifier must serve the LLM it was trained on)"
+        "drafting from the LLM's features with {path}{} (the verifier must serve the LLM it was trained on)",
+        match opts.backend {
+            DraftBackend::Candle => "",
+            DraftBackend::Onnx => " through ONNX Runtime",
+        }
     )));
-    Ok(DraftSource::Feature(Arc::new(m)))
+    Ok(DraftSource::Feature(model))
 }
 
 /// How to reach the verifiers, which ones, and the embedded one started for them.
@@ -542,13 +560,19 @@ fn verifier(
     }
 }
 
-/// The ONNX file for an SSM: `model.onnx` in its folder, else an export into the cache keyed by
-/// the weights' SHA-256 (made once).
+/// What writes a drafter's ONNX file (to a path, with metadata).
+type OnnxWriter<'a> =
+    dyn Fn(&Path, &[(&str, &str)]) -> std::result::Result<(), specinfer_model::ModelError> + 'a;
+
+/// The ONNX file for a drafter (an SSM or a feature-conditioned drafter, `kind` naming the
+/// file): `model.onnx` in its folder, else an export into the cache keyed by the weights'
+/// SHA-256 (made once by `export`).
 fn onnx_export(
     ssm: &Path,
-    model: &Llama,
+    kind: &str,
     tokenizer_sha: &[u8; 32],
     progress: &mut dyn FnMut(&SetupEvent),
+    export: &OnnxWriter,
 ) -> Result<PathBuf> {
     let shipped = ssm.join("model.onnx");
     if shipped.is_file() {
@@ -561,7 +585,7 @@ fn onnx_export(
     };
     let sha = fetch::sha256_file(&weights)?;
     let dir = fetch::cache_dir().join("onnx");
-    let path = dir.join(format!("ssm-{}.onnx", &sha[..16]));
+    let path = dir.join(format!("{kind}-{}.onnx", &sha[..16]));
     if !path.is_file() {
         progress(&SetupEvent::Note(format!(
             "exporting {} to ONNX ({})",
@@ -572,7 +596,7 @@ fn onnx_export(
         std::fs::create_dir_all(&dir).map_err(io)?;
         let partial = path.with_extension("onnx.partial");
         let tok_hex: String = tokenizer_sha.iter().map(|b| format!("{b:02x}")).collect();
-        model.export_onnx(&partial, &[("specinfer.tokenizer_sha256", &tok_hex)])?;
+        export(&partial, &[("specinfer.tokenizer_sha256", &tok_hex)])?;
         std::fs::rename(&partial, &path).map_err(io)?;
     }
     Ok(path)

@@ -46,6 +46,34 @@ fn the_default_trees_generate_and_greedy_output_matches_incremental_decoding() {
     }
 }
 
+#[test]
+fn the_feature_drafter_through_onnx_runtime_keeps_greedy_output() {
+    let prompt = "Explain what a compiler does in two sentences.";
+    let incremental = generate(&["--prompt", prompt, "--tree", "none", "--lookup", "0"]).unwrap();
+    // A tree whole and drafting to the end: on one machine, client and verifier sharing its
+    // cores, the adaptive cut and the hand-off may find that drafting does not pay.
+    let feature = generate(&[
+        "--prompt",
+        prompt,
+        "--ssm",
+        "models/feature-draft",
+        "--ssm-backend",
+        "onnx",
+        "--tree",
+        "dynamic:16",
+        "--no-hand-off",
+    ])
+    .unwrap();
+    assert_eq!(
+        feature["token_ids"], incremental["token_ids"],
+        "the feature drafter changed the greedy output"
+    );
+    assert!(
+        feature["rounds"].as_u64().unwrap() < incremental["rounds"].as_u64().unwrap(),
+        "no drafted token was accepted: {feature}"
+    );
+}
+
 /// The answers `specinfer chat` (with `args`) prints to a conversation typed on its stdin.
 fn chat(args: &[&str], lines: &[&str]) -> Vec<String> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");

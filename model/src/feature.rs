@@ -223,6 +223,16 @@ impl FeatureDrafter {
             .forward_rows(SeqTree { cache, tree, first }, &inputs, true)
     }
 
+    /// Writes the drafter as ONNX to `path` (an SSM's graph with the `prev_features` input and
+    /// the `features` output; see the ONNX module); `metadata` as in [`Llama::export_onnx`].
+    pub fn export_onnx(&self, path: &Path, metadata: &[(&str, &str)]) -> Result<()> {
+        let graph = self.body.onnx_graph(crate::onnx::GraphInput::Features {
+            token_row: &self.token_row,
+            fc: &self.fc,
+        })?;
+        crate::onnx::write_model(graph, &self.body, path, metadata)
+    }
+
     /// Runs committed `tokens` (preceding features `prev`) on top of the cache and commits them.
     pub fn append(&self, cache: &mut KvCache, tokens: &[u32], prev: &[f32]) -> Result<()> {
         let tree = TokenTree::chain(tokens);

@@ -13,6 +13,13 @@
 //! | `head_token_ids` | int64 | `[head_rows]` | token id of each head row (the whole vocabulary unless the head is restricted) |
 //! | `new_k.{l}`, `new_v.{l}` | float | `[n, kv_heads * head_dim]` | the nodes' K (after RoPE) and V, to append to the cache |
 //!
+//! A feature-conditioned drafter's export ([`crate::FeatureDrafter::export_onnx`]) has two more:
+//!
+//! | name | type | shape | meaning |
+//! |---|---|---|---|
+//! | `prev_features` | float | `[n, d]` | input: the feature preceding each node (the LLM's, or the drafter's prediction for its parent) |
+//! | `features` | float | `[n, d]` | output: the nodes' predicted features (the head's input) |
+//!
 //! Metadata: `specinfer.vocab_size`, `specinfer.max_positions`, and whatever the caller adds (the
 //! tokenizer's SHA-256, so a client refuses an SSM made for another tokenizer).
 //!
@@ -28,38 +35,61 @@ use crate::{Llama, ModelError, Result, RopeStyle};
 const OPSET: i64 = 17;
 const IR_VERSION: i64 = 8;
 
+/// What feeds the first layer of an exported graph.
+pub(crate) enum GraphInput<'a> {
+    /// The embedding rows of `input_ids` (an SSM, any [`Llama`]).
+    Tokens,
+    /// A feature-conditioned drafter's: `fc` over `[prev_features ; the token's embedding row]`,
+    /// the rows held for the head's tokens only (`token_row`, `u32::MAX` elsewhere: a zero row).
+    Features {
+        token_row: &'a [u32],
+        fc: &'a Linear,
+    },
+}
+
 impl Llama {
     /// Writes the model as ONNX to `path`; `metadata` is stored as the model's metadata properties.
     pub fn export_onnx(&self, path: &Path, metadata: &[(&str, &str)]) -> Result<()> {
-        let graph = self.onnx_graph()?;
-        let mut model = Pb::default();
-        model.int(1, IR_VERSION);
-        model.str(2, "specinfer");
-        model.str(3, env!("CARGO_PKG_VERSION"));
-        let mut opset = Pb::default();
-        opset.str(1, "");
-        opset.int(2, OPSET);
-        model.msg(8, &opset);
-        model.msg(7, &graph);
-        let vocab = self.cfg.vocab_size.to_string();
-        let max_pos = self.cfg.max_positions.to_string();
-        let builtin = [
-            ("specinfer.vocab_size", vocab.as_str()),
-            ("specinfer.max_positions", max_pos.as_str()),
-        ];
-        for (k, v) in builtin.iter().chain(metadata) {
-            let mut entry = Pb::default();
-            entry.str(1, k);
-            entry.str(2, v);
-            model.msg(14, &entry);
-        }
-        std::fs::write(path, &model.0).map_err(|source| ModelError::Io {
-            path: path.to_owned(),
-            source,
-        })
+        write_model(self.onnx_graph(GraphInput::Tokens)?, self, path, metadata)
     }
+}
 
-    fn onnx_graph(&self) -> Result<Pb> {
+/// Writes `graph`, exported from `body`, as an ONNX model file.
+pub(crate) fn write_model(
+    graph: Pb,
+    body: &Llama,
+    path: &Path,
+    metadata: &[(&str, &str)],
+) -> Result<()> {
+    let mut model = Pb::default();
+    model.int(1, IR_VERSION);
+    model.str(2, "specinfer");
+    model.str(3, env!("CARGO_PKG_VERSION"));
+    let mut opset = Pb::default();
+    opset.str(1, "");
+    opset.int(2, OPSET);
+    model.msg(8, &opset);
+    model.msg(7, &graph);
+    let vocab = body.cfg.vocab_size.to_string();
+    let max_pos = body.cfg.max_positions.to_string();
+    let builtin = [
+        ("specinfer.vocab_size", vocab.as_str()),
+        ("specinfer.max_positions", max_pos.as_str()),
+    ];
+    for (k, v) in builtin.iter().chain(metadata) {
+        let mut entry = Pb::default();
+        entry.str(1, k);
+        entry.str(2, v);
+        model.msg(14, &entry);
+    }
+    std::fs::write(path, &model.0).map_err(|source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+impl Llama {
+    pub(crate) fn onnx_graph(&self, input: GraphInput) -> Result<Pb> {
         let cfg = &self.cfg;
         let (d, hd, half) = (cfg.d_model, cfg.head_dim, cfg.head_dim / 2);
         let (heads, kv_heads) = (cfg.n_heads as i64, cfg.n_kv_heads as i64);
@@ -70,8 +100,29 @@ impl Llama {
         g.input("positions", INT64, &[Dim::N]);
         g.input("attn_bias", FLOAT, &[Dim::N, Dim::Total]);
 
-        let embed = g.init_f32("embed", &[cfg.vocab_size as i64, d as i64], &self.embed);
-        let mut x = g.op("Gather", &[&embed, "input_ids"], &[("axis", Attr::Int(0))]);
+        let gather = [("axis", Attr::Int(0))];
+        let mut x = match &input {
+            GraphInput::Tokens => {
+                let embed = g.init_f32("embed", &[cfg.vocab_size as i64, d as i64], &self.embed);
+                g.op("Gather", &[&embed, "input_ids"], &gather)
+            }
+            GraphInput::Features { token_row, fc } => {
+                g.input("prev_features", FLOAT, &[Dim::N, Dim::Fixed(d as i64)]);
+                let held = (self.embed.len() / d) as i64;
+                let rows: Vec<i64> = token_row
+                    .iter()
+                    .map(|&r| if r == u32::MAX { held } else { r as i64 })
+                    .collect();
+                let rows = g.init_i64("token_rows", &[rows.len() as i64], &rows);
+                let rows = g.op("Gather", &[&rows, "input_ids"], &gather);
+                let mut embed = self.embed.clone();
+                embed.extend(std::iter::repeat_n(0.0, d));
+                let embed = g.init_f32("embed_rows", &[held + 1, d as i64], &embed);
+                let e = g.op("Gather", &[&embed, &rows], &gather);
+                let cat = g.op("Concat", &["prev_features", &e], &[("axis", Attr::Int(1))]);
+                g.linear(&cat, fc, "fc")?
+            }
+        };
 
         // RoPE: angle = position * theta^(-2i / head_dim), shared by every layer.
         let inv_freq: Vec<f32> = (0..half)
@@ -187,6 +238,9 @@ impl Llama {
             x = g.op("Add", &[&x, &down], &[]);
         }
         let h = g.rms_norm(&x, &self.final_norm, &eps, "final_norm")?;
+        if let GraphInput::Features { .. } = input {
+            g.output(&h, "features", FLOAT, &[Dim::N, Dim::Fixed(d as i64)]);
+        }
         let logits = g.linear(&h, &self.lm_head, "lm_head")?;
         let rows = self.head_tokens() as i64;
         g.output(&logits, "logits", FLOAT, &[Dim::N, Dim::Fixed(rows)]);
@@ -205,7 +259,7 @@ const INT64: i32 = 7;
 
 /// A protobuf message being encoded (only the wire types ONNX needs: varint and bytes).
 #[derive(Default)]
-struct Pb(Vec<u8>);
+pub(crate) struct Pb(Vec<u8>);
 
 impl Pb {
     fn varint(&mut self, mut v: u64) {

@@ -18,7 +18,7 @@ use specinfer_model::fetch::{self, FetchEvent};
 use specinfer_model::{KvCache, ModelError};
 use specinfer_wire::TokenTree;
 
-use specinfer_speculator::TreeScorer;
+use specinfer_speculator::{FeatureScorer, TreeScorer};
 
 fn ort_err(message: impl std::fmt::Display) -> ModelError {
     ModelError::Runtime {
@@ -66,7 +66,7 @@ fn environment() -> Result<&'static Environment, ModelError> {
     .map_err(ort_err)
 }
 
-/// An ONNX draft model in an ONNX Runtime session.
+/// An ONNX draft model (an SSM's export) in an ONNX Runtime session.
 pub struct OnnxModel {
     /// `Session::run` needs `&mut`; drafts run one at a time per model anyway.
     session: Mutex<Session>,
@@ -77,11 +77,30 @@ pub struct OnnxModel {
     /// Token id of each logit row (all tokens, or the SSM's restricted head).
     head_ids: Vec<u32>,
     tokenizer_sha256: Option<String>,
+    /// Width of the `prev_features` input and `features` output of a feature-conditioned
+    /// drafter's export; `None` for an SSM's.
+    feature_dim: Option<usize>,
 }
 
+/// A feature-conditioned drafter's ONNX export ([`specinfer_model::FeatureDrafter::export_onnx`])
+/// in an ONNX Runtime session.
+pub struct OnnxFeatureModel(OnnxModel);
+
 impl OnnxModel {
-    /// Loads `path` into a session with `threads` intra-op threads (0: ONNX Runtime's default).
+    /// Loads an SSM's export from `path` into a session with `threads` intra-op threads (0: ONNX
+    /// Runtime's default).
     pub fn load(path: &Path, threads: usize) -> Result<OnnxModel, ModelError> {
+        let model = Self::open(path, threads)?;
+        if model.feature_dim.is_some() {
+            return Err(ort_err(format!(
+                "{} is a feature-conditioned drafter's export: it drafts from the LLM's features, not as an SSM",
+                path.display()
+            )));
+        }
+        Ok(model)
+    }
+
+    fn open(path: &Path, threads: usize) -> Result<OnnxModel, ModelError> {
         let env = environment()?;
         let at = |e: ort::Error| ort_err(format!("{}: {e}", path.display()));
         let mut builder = Session::builder(env).map_err(at)?;
@@ -125,6 +144,24 @@ impl OnnxModel {
                     path.display()
                 ))
             })? as usize;
+        let feature_dim = session
+            .inputs()
+            .iter()
+            .find(|i| i.name() == "prev_features")
+            .map(|i| {
+                i.dtype()
+                    .tensor_shape()
+                    .and_then(|s| s.last().copied())
+                    .filter(|&d| d > 0)
+                    .map(|d| d as usize)
+                    .ok_or_else(|| {
+                        ort_err(format!(
+                            "{}: its prev_features input has no fixed width",
+                            path.display()
+                        ))
+                    })
+            })
+            .transpose()?;
         let mut model = OnnxModel {
             session: Mutex::new(session),
             layers,
@@ -133,10 +170,14 @@ impl OnnxModel {
             max_positions,
             head_ids: Vec::new(),
             tokenizer_sha256,
+            feature_dim,
         };
         // One token on an empty cache: checks the graph runs and learns the head's token ids.
         let mut cache = model.new_cache();
-        model.head_ids = model.run(&mut cache, &TokenTree::root(0), 0)?.1;
+        let zeros = feature_dim.map(|d| vec![0f32; d]);
+        model.head_ids = model
+            .run(&mut cache, &TokenTree::root(0), 0, zeros.as_deref())?
+            .1;
         if let Some(bad) = model.head_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(ort_err(format!(
                 "{}: head token {bad} outside the vocabulary",
@@ -151,14 +192,28 @@ impl OnnxModel {
         self.tokenizer_sha256.as_deref()
     }
 
-    /// Runs nodes `first..` of `tree`; returns their head-row logits and the head's token ids.
+    /// Runs nodes `first..` of `tree` (preceded by the features `prev`, `[n, d]`, in a feature
+    /// drafter's export); returns their head-row logits, the head's token ids and, in a feature
+    /// drafter's export, the nodes' predicted features.
+    #[allow(clippy::type_complexity)]
     fn run(
         &self,
         cache: &mut KvCache,
         tree: &TokenTree,
         first: usize,
-    ) -> Result<(Vec<f32>, Vec<u32>), ModelError> {
+        prev: Option<&[f32]>,
+    ) -> Result<(Vec<f32>, Vec<u32>, Option<Vec<f32>>), ModelError> {
         let n = tree.len() - first;
+        match (self.feature_dim, prev) {
+            (Some(d), Some(p)) if p.len() == n * d => {}
+            (None, None) => {}
+            (Some(d), _) => {
+                return Err(ort_err(format!(
+                    "a feature drafter's graph needs the preceding feature of each of the {n} nodes ({d} floats each)"
+                )))
+            }
+            (None, Some(_)) => return Err(ort_err("this graph takes no features")),
+        }
         let committed = cache.committed();
         let depths = tree.depths();
         let needed = committed + *depths.iter().max().unwrap_or(&0) as usize + 1;
@@ -197,6 +252,9 @@ impl OnnxModel {
             input("positions".into(), vec![n], &positions)?,
             input("attn_bias".into(), vec![n, total], &bias)?,
         ];
+        if let (Some(d), Some(p)) = (self.feature_dim, prev) {
+            inputs.push(input("prev_features".into(), vec![n, d], p)?);
+        }
         for l in 0..self.layers {
             let (k, v) = cache.layer(l);
             inputs.push(input(format!("past_k.{l}"), vec![past, self.kv_row], k)?);
@@ -213,6 +271,16 @@ impl OnnxModel {
             .try_extract_tensor::<i64>()
             .map_err(ort_err)?;
         let head: Vec<u32> = head.iter().map(|&t| t as u32).collect();
+        let features = match self.feature_dim {
+            Some(d) => {
+                let f = f32_out("features")?;
+                if f.len() != n * d {
+                    return Err(ort_err("features have the wrong size"));
+                }
+                Some(f)
+            }
+            None => None,
+        };
         let mut new_kv = Vec::with_capacity(self.layers);
         for l in 0..self.layers {
             new_kv.push((
@@ -231,7 +299,40 @@ impl OnnxModel {
         if logits.len() != n * head.len() {
             return Err(ort_err("logits do not match head_token_ids"));
         }
-        Ok((logits, head))
+        Ok((logits, head, features))
+    }
+
+    /// Head-row logits spread over the whole vocabulary (`-inf` outside the head).
+    fn full_rows(&self, logits: &[f32]) -> Vec<Vec<f32>> {
+        logits
+            .chunks(self.head_ids.len())
+            .map(|row| {
+                let mut full = vec![f32::NEG_INFINITY; self.vocab];
+                for (&t, &l) in self.head_ids.iter().zip(row) {
+                    full[t as usize] = l;
+                }
+                full
+            })
+            .collect()
+    }
+}
+
+impl OnnxFeatureModel {
+    /// Loads a feature-conditioned drafter's export from `path` (see [`OnnxModel::load`]).
+    pub fn load(path: &Path, threads: usize) -> Result<OnnxFeatureModel, ModelError> {
+        let model = OnnxModel::open(path, threads)?;
+        if model.feature_dim.is_none() {
+            return Err(ort_err(format!(
+                "{} is an SSM's export, not a feature-conditioned drafter's",
+                path.display()
+            )));
+        }
+        Ok(OnnxFeatureModel(model))
+    }
+
+    /// The SHA-256 (hex) of the tokenizer the drafter was trained with, if the export recorded it.
+    pub fn tokenizer_sha256(&self) -> Option<&str> {
+        self.0.tokenizer_sha256()
     }
 }
 
@@ -260,23 +361,53 @@ impl TreeScorer for OnnxModel {
         tree: &TokenTree,
         first: usize,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
-        let (logits, _) = self.run(cache, tree, first)?;
-        let rows = self.head_ids.len();
-        Ok(logits
-            .chunks(rows)
-            .map(|row| {
-                let mut full = vec![f32::NEG_INFINITY; self.vocab];
-                for (&t, &l) in self.head_ids.iter().zip(row) {
-                    full[t as usize] = l;
-                }
-                full
-            })
-            .collect())
+        let (logits, _, _) = self.run(cache, tree, first, None)?;
+        Ok(self.full_rows(&logits))
     }
 
     fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), ModelError> {
         // The logits (head rows only) are dropped before being spread over the vocabulary.
-        self.run(cache, &TokenTree::chain(tokens), 0)?;
+        self.run(cache, &TokenTree::chain(tokens), 0, None)?;
+        cache.commit_scratch();
+        Ok(())
+    }
+}
+
+impl FeatureScorer for OnnxFeatureModel {
+    fn new_cache(&self) -> KvCache {
+        self.0.new_cache()
+    }
+
+    fn max_positions(&self) -> usize {
+        self.0.max_positions
+    }
+
+    fn feature_dim(&self) -> usize {
+        self.0.feature_dim.expect("checked at load")
+    }
+
+    fn score_features(
+        &self,
+        cache: &mut KvCache,
+        tree: &TokenTree,
+        first: usize,
+        prev: &[f32],
+    ) -> Result<(Vec<Vec<f32>>, Vec<f32>), ModelError> {
+        let (logits, _, features) = self.0.run(cache, tree, first, Some(prev))?;
+        Ok((
+            self.0.full_rows(&logits),
+            features.expect("a feature drafter's graph gives features"),
+        ))
+    }
+
+    fn append_committed(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        prev: &[f32],
+    ) -> Result<(), ModelError> {
+        self.0
+            .run(cache, &TokenTree::chain(tokens), 0, Some(prev))?;
         cache.commit_scratch();
         Ok(())
     }

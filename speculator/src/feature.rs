@@ -1,5 +1,5 @@
 //! [`FeatureDraft`]: the [`DraftModel`] of a feature-conditioned drafter
-//! ([`FeatureDrafter`]), kept in step with the committed tokens and the LLM's features of them,
+//! ([`FeatureDrafter`], or its ONNX export: any [`FeatureScorer`]), kept in step with the committed tokens and the LLM's features of them,
 //! which the verifier sends with its verdicts.
 //!
 //! Position `p` of the drafter needs the feature of position `p - 1`. For committed positions
@@ -14,8 +14,74 @@ use specinfer_wire::{Limits, TokenTree};
 
 use crate::DraftModel;
 
+/// What a feature-conditioned draft runs on: the candle [`FeatureDrafter`], or its ONNX export
+/// in ONNX Runtime (`specinfer-onnx`), as [`crate::TreeScorer`] is for an SSM.
+pub trait FeatureScorer: Sync {
+    fn new_cache(&self) -> KvCache;
+    /// The longest sequence (committed tokens plus a tree's depth) it can score.
+    fn max_positions(&self) -> usize;
+    /// Width of the features it reads and predicts (the LLM's).
+    fn feature_dim(&self) -> usize;
+    /// Logits (whole vocabulary) and predicted features (`[nodes, d]`) of nodes `first..` of
+    /// `tree`, whose preceding features are `prev` (`[nodes, d]`); afterwards the cache's scratch
+    /// region holds the tree's nodes `0..tree.len()`.
+    fn score_features(
+        &self,
+        cache: &mut KvCache,
+        tree: &TokenTree,
+        first: usize,
+        prev: &[f32],
+    ) -> Result<(Vec<Vec<f32>>, Vec<f32>), ModelError>;
+    /// Runs committed `tokens` (preceding features `prev`) on top of the cache and commits them.
+    fn append_committed(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        prev: &[f32],
+    ) -> Result<(), ModelError>;
+}
+
+impl FeatureScorer for FeatureDrafter {
+    fn new_cache(&self) -> KvCache {
+        FeatureDrafter::new_cache(self)
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config().max_positions
+    }
+
+    fn feature_dim(&self) -> usize {
+        FeatureDrafter::feature_dim(self)
+    }
+
+    fn score_features(
+        &self,
+        cache: &mut KvCache,
+        tree: &TokenTree,
+        first: usize,
+        prev: &[f32],
+    ) -> Result<(Vec<Vec<f32>>, Vec<f32>), ModelError> {
+        let out = self.forward(cache, tree, first, prev)?;
+        let n = tree.len() - first;
+        let mut features = Vec::with_capacity(n * self.feature_dim());
+        for i in 0..n {
+            features.extend_from_slice(out.feature(i).expect("the drafter gives features"));
+        }
+        Ok(((0..n).map(|i| out.node(i).to_vec()).collect(), features))
+    }
+
+    fn append_committed(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        prev: &[f32],
+    ) -> Result<(), ModelError> {
+        self.append(cache, tokens, prev)
+    }
+}
+
 pub struct FeatureDraft<'m> {
-    model: &'m FeatureDrafter,
+    model: &'m dyn FeatureScorer,
     cache: KvCache,
     /// The LLM's features of committed positions `known_from..`, row after row.
     known_from: usize,
@@ -31,7 +97,7 @@ pub struct FeatureDraft<'m> {
 }
 
 impl<'m> FeatureDraft<'m> {
-    pub fn new(model: &'m FeatureDrafter) -> Self {
+    pub fn new(model: &'m dyn FeatureScorer) -> Self {
         FeatureDraft {
             model,
             cache: model.new_cache(),
@@ -61,7 +127,7 @@ impl<'m> FeatureDraft<'m> {
 
     /// Committed positions the cache may hold at once, leaving room for a deep tree.
     fn window(&self) -> usize {
-        let limit = self.model.config().max_positions;
+        let limit = self.model.max_positions();
         limit - (limit / 4).min(Limits::default().max_tree_nodes as usize)
     }
 
@@ -151,7 +217,7 @@ impl DraftModel for FeatureDraft<'_> {
             })
             .collect();
         let new = &committed[from..end];
-        self.model.append(&mut self.cache, new, &prev)?;
+        self.model.append_committed(&mut self.cache, new, &prev)?;
         self.cached.extend_from_slice(new);
         Ok(())
     }
@@ -184,12 +250,17 @@ impl DraftModel for FeatureDraft<'_> {
             }
             let mut wave = tree.clone();
             wave.truncate(end);
-            let out = self.model.forward(&mut self.cache, &wave, start, &prev)?;
-            for i in 0..end - start {
-                self.tree_features
-                    .extend_from_slice(out.feature(i).expect("the drafter gives features"));
-                logits.push(out.node(i).to_vec());
+            let (wave_logits, features) =
+                self.model
+                    .score_features(&mut self.cache, &wave, start, &prev)?;
+            if features.len() != (end - start) * d || wave_logits.len() != end - start {
+                return Err(ModelError::Format {
+                    path: "<feature draft>".into(),
+                    message: "the drafter scored another number of nodes than asked".into(),
+                });
             }
+            self.tree_features.extend_from_slice(&features);
+            logits.extend(wave_logits);
             start = end;
         }
         Ok(logits)

@@ -21,7 +21,7 @@ pub use controller::{
 };
 pub use draft::{CachedDraft, DraftModel, TreeScorer};
 pub use dynamic::GrowthCosts;
-pub use feature::FeatureDraft;
+pub use feature::{FeatureDraft, FeatureScorer};
 pub use handoff::HandOff;
 pub use lookup::{AdaptiveLookup, ContextLookup};
 pub use merge::merge_trees;

@@ -1,13 +1,14 @@
 //! The feature-conditioned drafter end to end over loopback QUIC with SmolLM2: the verifier
-//! returns the LLM's features with every verdict, the client drafts from them, and greedy
-//! output stays token-identical to incremental decoding while more than one token is accepted
-//! per LLM pass.
+//! returns the LLM's features with every verdict, the client drafts from them (in candle and
+//! through ONNX Runtime), and greedy output stays token-identical to incremental decoding while
+//! more than one token is accepted per LLM pass.
 
 use std::path::PathBuf;
 
 use specinfer_edge::Client;
-use specinfer_integration::{chat_ids, default_ssm, smollm2, start_verifier};
-use specinfer_model::FeatureDrafter;
+use specinfer_integration::{cache_dir, chat_ids, default_ssm, smollm2, start_verifier};
+use specinfer_model::{fetch, FeatureDrafter};
+use specinfer_onnx::OnnxFeatureModel;
 use specinfer_speculator::{
     CachedDraft, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver, Speculator, TreeShape,
 };
@@ -24,10 +25,18 @@ fn shipped_drafter() -> FeatureDrafter {
 async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
     let (_server, remote) = start_verifier(EngineConfig::default());
     let drafter = shipped_drafter();
+    let lib = fetch::ensure(&fetch::ONNXRUNTIME, &cache_dir()).expect("fetching ONNX Runtime");
+    specinfer_onnx::init_runtime(&lib).expect("loading ONNX Runtime");
+    let onnx_file =
+        std::env::temp_dir().join(format!("specinfer-feature-{}.onnx", std::process::id()));
+    drafter.export_onnx(&onnx_file, &[]).unwrap();
+    let onnx = OnnxFeatureModel::load(&onnx_file, 1).unwrap();
+    std::fs::remove_file(&onnx_file).unwrap();
     let mut client = Client::connect(remote.clone()).await.unwrap();
-    // Per drafter (the feature drafter, the default SSM): tokens, rounds, tree nodes, drafting
-    // seconds, bytes up, bytes down; printed side by side, what a round costs each way.
-    let mut costs = [[0f64; 6]; 2];
+    // Per drafter (the feature drafter in candle and in ONNX Runtime, the default SSM): tokens,
+    // rounds, tree nodes, drafting seconds, bytes up, bytes down; printed side by side, what a
+    // round costs each way.
+    let mut costs = [[0f64; 6]; 3];
     let (_, tok) = smollm2();
     for prompt in [
         "Explain how a bicycle works.",
@@ -40,8 +49,9 @@ async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
         };
         let mut plain = RoundDriver::new(ids.clone(), params.clone(), None).unwrap();
         let reference = client.generate(&mut plain, |_| {}).await.unwrap();
-        let drafts: [Box<dyn DraftModel + Send + '_>; 2] = [
+        let drafts: [Box<dyn DraftModel + Send + '_>; 3] = [
             Box::new(FeatureDraft::new(&drafter)),
+            Box::new(FeatureDraft::new(&onnx)),
             Box::new(CachedDraft::new(default_ssm())),
         ];
         for (draft, c) in drafts.into_iter().zip(&mut costs) {
@@ -75,7 +85,14 @@ async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
             }
         }
     }
-    for (name, c) in ["feature drafter", "default SSM"].iter().zip(costs) {
+    for (name, c) in [
+        "feature drafter",
+        "feature drafter (ONNX Runtime)",
+        "default SSM",
+    ]
+    .iter()
+    .zip(costs)
+    {
         println!(
             "{name}: tau {:.2}, {:.1} nodes per round, {:.0} us drafting per node, {:.0} B up and {:.0} B down per round",
             c[0] / c[1],
@@ -89,6 +106,12 @@ async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
     assert!(
         tau > 1.5,
         "the feature drafter's trees were hardly accepted: tau {tau:.2}"
+    );
+    // The same model on either backend drafts the same trees (within float noise of ties).
+    let onnx_tau = costs[1][0] / costs[1][1];
+    assert!(
+        (onnx_tau - tau).abs() < 0.1,
+        "ONNX Runtime's drafts differ: tau {onnx_tau:.2} against {tau:.2}"
     );
     client.shutdown().await;
 }

@@ -159,12 +159,12 @@ pub fn alignment(
 }
 
 /// Greedy speculation with the paper's tree and with the clients' default tree on every
-/// example's prompt, `max_new` tokens each, drafting with every SSM and merging their trees, with
-/// and without the context lookup's chain. All held-out prompts, not a few: tau moves by a few
+/// example's prompt, `max_new` tokens each, drafting with what `drafts` makes (several SSMs'
+/// trees merged), with and without the context lookup's chain. All held-out prompts, not a few: tau moves by a few
 /// hundredths between models, and ten prompts' answers varied more than that.
-pub fn tau(
+pub fn tau<'d>(
     llm: &Llama,
-    ssms: &[&Llama],
+    drafts: &Drafts<'d>,
     examples: &[Example],
     max_new: u32,
     report: &mut Report,
@@ -172,10 +172,11 @@ pub fn tau(
     let paper = TreeShape::Expansion(Speculator::PAPER_EXPANSION.to_vec());
     let default = TreeShape::clients_default().uncut();
     let lookup = Some(ContextLookup::default());
-    report.tau_paper_tree = tau_with(llm, ssms, examples, max_new, &paper, None)?;
-    report.tau_paper_tree_with_lookup = tau_with(llm, ssms, examples, max_new, &paper, lookup)?;
-    report.tau_default_tree = tau_with(llm, ssms, examples, max_new, &default, None)?;
-    report.tau_default_tree_with_lookup = tau_with(llm, ssms, examples, max_new, &default, lookup)?;
+    report.tau_paper_tree = tau_with(llm, drafts, examples, max_new, &paper, None)?;
+    report.tau_paper_tree_with_lookup = tau_with(llm, drafts, examples, max_new, &paper, lookup)?;
+    report.tau_default_tree = tau_with(llm, drafts, examples, max_new, &default, None)?;
+    report.tau_default_tree_with_lookup =
+        tau_with(llm, drafts, examples, max_new, &default, lookup)?;
     report.default_tree = default.to_string();
     report.tau_prompts = examples.len();
     Ok(())
@@ -183,21 +184,30 @@ pub fn tau(
 
 /// Mean tokens per round of greedy speculation with trees of `shape` (plus `lookup`'s chain),
 /// the adaptive shapes learning from each round as the clients' do.
-pub fn tau_with(
+pub fn tau_with<'d>(
     llm: &Llama,
-    ssms: &[&Llama],
+    drafts: &Drafts<'d>,
     examples: &[Example],
     max_new: u32,
     shape: &TreeShape,
     lookup: Option<ContextLookup>,
 ) -> Result<f64> {
     let prompts: Vec<&[u32]> = examples.iter().map(|e| e.prompt.as_slice()).collect();
-    tau_decoding(llm, ssms, &prompts, max_new, shape, lookup, None)
+    tau_decoding_with(llm, drafts, &prompts, max_new, shape, lookup, None)
 }
 
-/// Mean tokens per round with trees of `shape` (plus `lookup`'s chain) after each prompt: greedy
-/// (`temperature` None), or sampling at that temperature (top-p 1, each prompt its own seed)
-/// with the clients' sampled drafts.
+/// What makes a generation's draft models afresh.
+pub type Drafts<'d> = dyn Fn() -> Vec<Box<dyn DraftModel + Send + 'd>> + 'd;
+
+/// Drafts from every SSM of `ssms` (their trees merged).
+pub fn ssm_drafts<'d>(ssms: &'d [&'d Llama]) -> impl Fn() -> Vec<Box<dyn DraftModel + Send + 'd>> {
+    move || {
+        ssms.iter()
+            .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
+            .collect()
+    }
+}
+
 /// A drafter folder, loaded as what its config.json says it is.
 pub enum DrafterFolder {
     Ssm(Llama),
@@ -223,27 +233,12 @@ impl DrafterFolder {
     }
 }
 
-pub fn tau_decoding(
-    llm: &Llama,
-    ssms: &[&Llama],
-    prompts: &[&[u32]],
-    max_new: u32,
-    shape: &TreeShape,
-    lookup: Option<ContextLookup>,
-    temperature: Option<f32>,
-) -> Result<f64> {
-    let drafts = || {
-        ssms.iter()
-            .map(|&m| Box::new(CachedDraft::new(m)) as Box<dyn DraftModel + Send>)
-            .collect()
-    };
-    tau_decoding_with(llm, &drafts, prompts, max_new, shape, lookup, temperature)
-}
-
-/// [`tau_decoding`] with the draft models `drafts` makes for each prompt.
+/// Mean tokens per round with trees of `shape` (plus `lookup`'s chain) after each prompt: greedy
+/// (`temperature` None), or sampling at that temperature (top-p 1, each prompt its own seed)
+/// with the clients' sampled drafts; `drafts` makes the draft models for each prompt.
 pub fn tau_decoding_with<'d>(
     llm: &Llama,
-    drafts: &dyn Fn() -> Vec<Box<dyn DraftModel + Send + 'd>>,
+    drafts: &Drafts<'d>,
     prompts: &[&[u32]],
     max_new: u32,
     shape: &TreeShape,

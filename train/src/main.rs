@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_model::{fetch, load_gguf, Llama};
-use specinfer_train::{data, eval, feature_pipeline, ssm, teacher, train};
+use specinfer_train::{data, eval, feature, feature_pipeline, ssm, teacher, train};
 
 #[derive(Parser)]
 #[command(
@@ -121,7 +121,8 @@ struct BoostArgs {
 
 #[derive(clap::Args)]
 struct EvalArgs {
-    /// SSM folders; evaluated alone and merged.
+    /// Drafter folders: SSMs, evaluated alone and merged, or a feature-conditioned drafter,
+    /// evaluated alone (its top-k at the first tree level, reading the LLM's features 8-bit).
     #[arg(long, required = true)]
     ssm: Vec<PathBuf>,
     /// The work folder of `run` (held-out teacher answers).
@@ -303,7 +304,13 @@ fn run(a: RunArgs) -> Result<()> {
         EVAL_TEMPERATURE,
         &mut report,
     )?;
-    eval::tau(&llm, &[&exported], &heldout_ex, 64, &mut report)?;
+    eval::tau(
+        &llm,
+        &eval::ssm_drafts(&[&exported]),
+        &heldout_ex,
+        64,
+        &mut report,
+    )?;
     let per_token = ssm_compute(&exported) as f64 / ssm_compute(&llm) as f64;
     let json = serde_json::json!({
         "report": report,
@@ -544,28 +551,15 @@ fn eval_ensemble(e: EvalArgs) -> Result<()> {
     let work = default_work(&e.work);
     let (llm, _) = load_llm(&None)?;
     let heldout = teacher::read_examples(&work.join("teacher_heldout.jsonl"))?;
-    let ssms: Vec<Llama> = e
+    let folders: Vec<eval::DrafterFolder> = e
         .ssm
         .iter()
-        .map(|p| Llama::from_safetensors(p).with_context(|| format!("loading {}", p.display())))
+        .map(|p| eval::DrafterFolder::load(p))
         .collect::<Result<_>>()?;
-    let ssms: Vec<&Llama> = ssms.iter().collect();
+    let mut ssms: Vec<&Llama> = Vec::new();
     let mut rows = Vec::new();
     let mut md = String::new();
-    let mut configs: Vec<(String, Vec<&Llama>)> = e
-        .ssm
-        .iter()
-        .zip(&ssms)
-        .map(|(p, &m)| (p.display().to_string(), vec![m]))
-        .collect();
-    if ssms.len() > 1 {
-        configs.push((e.label.clone(), ssms.clone()));
-    }
-    for (name, members) in configs {
-        eprintln!("evaluating {name}");
-        let mut report = eval::Report::default();
-        eval::alignment(&llm, &members, &heldout, EVAL_TEMPERATURE, &mut report)?;
-        eval::tau(&llm, &members, &heldout, 64, &mut report)?;
+    let mut row = |name: String, report: eval::Report| {
         md += &format!(
             "| {name} | {} | {} | {:.2} |\n",
             percent_row(&report.top_k_greedy),
@@ -573,6 +567,42 @@ fn eval_ensemble(e: EvalArgs) -> Result<()> {
             report.tau_paper_tree
         );
         rows.push(serde_json::json!({"ssms": name, "report": report}));
+    };
+    for (path, folder) in e.ssm.iter().zip(&folders) {
+        let name = path.display().to_string();
+        eprintln!("evaluating {name}");
+        let mut report = eval::Report::default();
+        match folder {
+            eval::DrafterFolder::Ssm(m) => {
+                eval::alignment(&llm, &[m], &heldout, EVAL_TEMPERATURE, &mut report)?;
+                ssms.push(m);
+            }
+            // Its first tree level reads the LLM's feature of the position before, 8-bit as the
+            // wire carries it; it is never merged (the clients refuse that too).
+            eval::DrafterFolder::Feature(f) => {
+                let (greedy, stochastic, positions) = feature::alignment(
+                    &llm,
+                    f,
+                    &heldout,
+                    EVAL_TEMPERATURE,
+                    feature::FeaturePrecision::Int8,
+                )?;
+                report.examples = heldout.len();
+                report.positions = positions;
+                report.temperature = EVAL_TEMPERATURE;
+                report.top_k_greedy = greedy;
+                report.top_k_stochastic = stochastic;
+            }
+        }
+        eval::tau(&llm, &|| vec![folder.draft()], &heldout, 64, &mut report)?;
+        row(name, report);
+    }
+    if ssms.len() > 1 {
+        eprintln!("evaluating {}", e.label);
+        let mut report = eval::Report::default();
+        eval::alignment(&llm, &ssms, &heldout, EVAL_TEMPERATURE, &mut report)?;
+        eval::tau(&llm, &eval::ssm_drafts(&ssms), &heldout, 64, &mut report)?;
+        row(e.label.clone(), report);
     }
     let md_path = e.out.with_extension("md");
     let mut all = std::fs::read_to_string(&md_path).unwrap_or_else(|_| {

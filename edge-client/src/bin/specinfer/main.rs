@@ -104,7 +104,8 @@ struct CommonArgs {
     ssm: Vec<String>,
     /// What runs the draft models: "candle" (specinfer's own kernels) or "onnx" (ONNX Runtime,
     /// loaded from ORT_DYLIB_PATH or fetched from the PyPI onnxruntime wheel; the SSM is
-    /// exported to ONNX once and cached, unless its folder carries a model.onnx).
+    /// exported to ONNX once and cached, unless its folder carries a model.onnx; a
+    /// feature-conditioned drafter likewise).
     #[arg(long, default_value = "candle", value_parser = ["candle", "onnx"])]
     ssm_backend: String,
     /// Tree expansion <k1,...,km> (level d gives every node of level d-1 k_d children),
