@@ -132,35 +132,28 @@ impl OnnxModel {
             .iter()
             .filter(|i| i.name().starts_with("past_k."))
             .count();
-        let kv_row = session
-            .inputs()
-            .iter()
-            .find(|i| i.name() == "past_k.0")
-            .and_then(|i| i.dtype().tensor_shape().and_then(|s| s.last().copied()))
-            .filter(|&d| d > 0)
-            .ok_or_else(|| {
-                ort_err(format!(
-                    "{}: no past_k.0 input of fixed width",
-                    path.display()
-                ))
-            })? as usize;
-        let feature_dim = session
-            .inputs()
-            .iter()
-            .find(|i| i.name() == "prev_features")
-            .map(|i| {
+        // The fixed last dimension of input `name`: None when there is no such input,
+        // Some(None) when its width is not fixed.
+        let width = |name: &str| {
+            session.inputs().iter().find(|i| i.name() == name).map(|i| {
                 i.dtype()
                     .tensor_shape()
                     .and_then(|s| s.last().copied())
                     .filter(|&d| d > 0)
                     .map(|d| d as usize)
-                    .ok_or_else(|| {
-                        ort_err(format!(
-                            "{}: its prev_features input has no fixed width",
-                            path.display()
-                        ))
-                    })
             })
+        };
+        let no_width = |name: &str| {
+            ort_err(format!(
+                "{}: no {name} input of fixed width",
+                path.display()
+            ))
+        };
+        let kv_row = width("past_k.0")
+            .flatten()
+            .ok_or_else(|| no_width("past_k.0"))?;
+        let feature_dim = width("prev_features")
+            .map(|w| w.ok_or_else(|| no_width("prev_features")))
             .transpose()?;
         let mut model = OnnxModel {
             session: Mutex::new(session),
