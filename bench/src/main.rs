@@ -42,6 +42,9 @@ struct Args {
     /// The SSM (a folder from specinfer-train).
     #[arg(long, default_value = "models/ssm")]
     ssm: PathBuf,
+    /// The feature-conditioned drafter the feature-draft section compares with the SSM.
+    #[arg(long, default_value = "models/feature-draft")]
+    feature_draft: PathBuf,
     /// Where the report goes.
     #[arg(long, default_value = "bench/results")]
     out: PathBuf,
@@ -96,6 +99,10 @@ enum SectionName {
     /// A soak: 16 clients against one verifier for 30 minutes (3 with --quick), answers cut
     /// off at random; the verifier's memory and KV over time, every answer against its solo run.
     Soak,
+    /// The feature-conditioned drafter beside the SSM: top-k, tokens per pass (greedy and
+    /// sampled, with and without the lookup), and over QUIC against a pinned verifier process
+    /// tokens/s, drafting time per node and bytes per round each way.
+    FeatureDraft,
 }
 
 impl SectionName {
@@ -292,6 +299,9 @@ fn main() -> Result<()> {
             SectionName::Capacity => capacity(&args, &ctx, &llm_path)?,
             SectionName::Fleet => sections::fleet::run(&ctx, &llm_path, &args.ssm, args.quick)?,
             SectionName::Soak => sections::soak::run(&ctx, &llm_path, args.quick)?,
+            SectionName::FeatureDraft => {
+                sections::feature_draft::run(&ctx, &examples, &args.feature_draft, &llm_path)?
+            }
         };
         done.push(section);
     }

@@ -1,0 +1,298 @@
+//! The feature-conditioned drafter beside the SSM, on the same prompts: top-k agreement with the
+//! LLM, tokens per LLM pass in process (greedy and sampled, with and without the context lookup),
+//! and over QUIC against a verifier process on a core of its own: tokens/s, drafting time per
+//! tree node, and bytes per round each way (the feature drafter's verdicts carry the LLM's
+//! features, the SSM's do not).
+
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+use serde_json::{json, Value};
+use specinfer_edge::Client;
+use specinfer_model::FeatureDrafter;
+use specinfer_speculator::{
+    CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, RoundDriver,
+    Speculator, TreeShape,
+};
+use specinfer_train::feature::{self, FeaturePrecision};
+use specinfer_train::{eval, teacher};
+use specinfer_wire::VerifyMode;
+
+use crate::common::{params, Ctx, Section};
+use crate::verifier_process::{pin_this_process, VerifierOptions, VerifierProcess};
+
+/// The sampled rows' temperature (the terminal chat's default).
+const SAMPLED_T: f32 = 0.8;
+
+/// The two drafters compared, in the report's column order.
+const DRAFTERS: [&str; 2] = ["SSM", "feature drafter"];
+
+pub fn run(
+    ctx: &Ctx,
+    examples: &[teacher::Example],
+    feature_dir: &Path,
+    llm_path: &Path,
+) -> Result<Section> {
+    ensure!(
+        FeatureDrafter::is_feature_draft(feature_dir),
+        "{} is not a feature drafter's folder (its config.json lacks \"specinfer_draft\": \"feature\")",
+        feature_dir.display()
+    );
+    let drafter = FeatureDrafter::from_safetensors(feature_dir)
+        .with_context(|| format!("loading {}", feature_dir.display()))?;
+    let ssm = ctx.ssm.as_ref();
+    let draft = |which: usize| -> Box<dyn DraftModel + Send + '_> {
+        match which {
+            0 => Box::new(CachedDraft::new(ssm)),
+            _ => Box::new(FeatureDraft::new(&drafter)),
+        }
+    };
+
+    eprintln!("      top-k agreement along the teacher's answers");
+    let mut ssm_align = eval::Report::default();
+    eval::alignment(&ctx.llm, &[ssm], examples, SAMPLED_T, &mut ssm_align)?;
+    let (feature_greedy, feature_sampled, _) = feature::alignment(
+        &ctx.llm,
+        &drafter,
+        examples,
+        SAMPLED_T,
+        FeaturePrecision::Int8,
+    )?;
+    let align = [
+        (ssm_align.top_k_greedy, ssm_align.top_k_stochastic),
+        (feature_greedy, feature_sampled),
+    ];
+
+    eprintln!("      tokens per pass in process");
+    let prompts: Vec<&[u32]> = ctx.prompts.iter().map(Vec::as_slice).collect();
+    let uncut = TreeShape::clients_default().uncut();
+    // [drafter][lookup][greedy, sampled]
+    let mut tau = [[[0f64; 2]; 2]; 2];
+    for (which, per_drafter) in tau.iter_mut().enumerate() {
+        let drafts = || vec![draft(which)];
+        for (lookup, row) in [None, Some(ContextLookup::default())]
+            .into_iter()
+            .zip(per_drafter.iter_mut())
+        {
+            for (temperature, t) in [None, Some(SAMPLED_T)].into_iter().zip(row.iter_mut()) {
+                *t = eval::tau_decoding_with(
+                    &ctx.llm,
+                    &drafts,
+                    &prompts,
+                    ctx.max_new,
+                    &uncut,
+                    lookup,
+                    temperature,
+                )?;
+            }
+        }
+    }
+
+    eprintln!("      over QUIC against a verifier process");
+    let quic = over_quic(ctx, llm_path, &draft)?;
+
+    let pct = |v: &[f64; 5]| {
+        v.iter()
+            .map(|x| format!("{:.1}%", x * 100.0))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    let mut md = format!(
+        "## The feature-conditioned drafter beside the SSM ({} prompts, {} tokens each)\n\n\
+         The SSM drafts from tokens alone; the feature drafter (`{}`) from the LLM's final hidden state of the tokens the verifier accepted, which its verdicts carry (8-bit rows). Top-k: along the teacher's greedy answers, is the LLM's greedy token in the drafter's top-k (greedy), and the LLM's probability mass at T = {SAMPLED_T} inside it (sampled); the feature drafter reads the LLM's feature of the position before, as its first tree level does.\n\n\
+         | drafter | greedy top-1..5 | sampled top-1..5 |\n|---|---|---|\n",
+        ctx.prompts.len(),
+        ctx.max_new,
+        feature_dir.display()
+    );
+    for (name, (greedy, sampled)) in DRAFTERS.iter().zip(&align) {
+        md += &format!("| {name} | {} | {} |\n", pct(greedy), pct(sampled));
+    }
+    md += &format!(
+        "\nTokens per LLM pass in process (round driver and an in-process verifier session, no network), the clients' default tree at its whole budget (`{uncut}`):\n\n\
+         | drafter | greedy | greedy + lookup | sampled (T = {SAMPLED_T}) | sampled + lookup |\n|---|---|---|---|---|\n"
+    );
+    for (name, t) in DRAFTERS.iter().zip(&tau) {
+        md += &format!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |\n",
+            t[0][0], t[1][0], t[0][1], t[1][1]
+        );
+    }
+    md += &quic.markdown();
+    Ok(Section {
+        key: "feature_draft",
+        json: json!({
+            "feature_drafter": feature_dir.display().to_string(),
+            "prompts": ctx.prompts.len(),
+            "max_new": ctx.max_new,
+            "top_k": DRAFTERS.iter().zip(&align).map(|(name, (g, s))| (name.to_string(), json!({"greedy": g, "sampled_t08": s}))).collect::<serde_json::Map<_, _>>(),
+            "tau_in_process": DRAFTERS.iter().zip(&tau).map(|(name, t)| (name.to_string(), json!({
+                "tree": uncut.to_string(),
+                "greedy": t[0][0], "greedy_with_lookup": t[1][0],
+                "sampled_t08": t[0][1], "sampled_t08_with_lookup": t[1][1]}))).collect::<serde_json::Map<_, _>>(),
+            "quic": quic.to_json(),
+        }),
+        markdown: md,
+    })
+}
+
+/// What one tree shape and drafter did over QUIC, summed over the prompts.
+#[derive(Default)]
+struct QuicRun {
+    tokens: usize,
+    rounds: usize,
+    tree_nodes: usize,
+    draft_s: f64,
+    wall_s: f64,
+    bytes_up: usize,
+    bytes_down: usize,
+    /// Answers token-identical to incremental decoding's.
+    identical: usize,
+}
+
+impl QuicRun {
+    fn to_json(&self) -> Value {
+        let rounds = self.rounds.max(1) as f64;
+        json!({
+            "tokens": self.tokens, "rounds": self.rounds,
+            "tau": self.tokens as f64 / rounds,
+            "tokens_per_s": self.tokens as f64 / self.wall_s.max(1e-9),
+            "draft_us_per_node": self.draft_s / self.tree_nodes.max(1) as f64 * 1e6,
+            "nodes_per_round": self.tree_nodes as f64 / rounds,
+            "bytes_up_per_round": self.bytes_up as f64 / rounds,
+            "bytes_down_per_round": self.bytes_down as f64 / rounds,
+            "identical_to_incremental": self.identical,
+        })
+    }
+}
+
+/// Incremental decoding, then each drafter with the clients' default tree (adaptive, as a user
+/// gets it) and at its whole budget.
+struct QuicTable {
+    pinned: bool,
+    prompts: usize,
+    incremental: QuicRun,
+    /// [drafter][adaptive, whole budget]
+    drafted: [[QuicRun; 2]; 2],
+}
+
+impl QuicTable {
+    fn to_json(&self) -> Value {
+        json!({
+            "client_and_verifier_pinned_to_separate_cores": self.pinned,
+            "incremental": self.incremental.to_json(),
+            "drafted": DRAFTERS.iter().zip(&self.drafted).map(|(name, [adaptive, whole])| (name.to_string(), json!({
+                "default_tree": adaptive.to_json(), "default_tree_uncut": whole.to_json()}))).collect::<serde_json::Map<_, _>>(),
+        })
+    }
+
+    fn markdown(&self) -> String {
+        let placement = if self.pinned {
+            "the verifier a process pinned to core 1, this client pinned to core 0"
+        } else {
+            "one core: client and verifier process share it, so drafting time counts twice"
+        };
+        let mut md = format!(
+            "\nOver QUIC on loopback, greedy, {} prompts ({placement}); every answer is checked against incremental decoding's. \"default tree\" is what `specinfer` runs (`{}`: its adaptive cut grows the tree while its nodes pay on this machine); \"whole budget\" the same tree uncut.\n\n\
+             | drafter | tree | tokens/s | tau | nodes/round | drafting us/node | bytes up/round | bytes down/round | identical answers |\n|---|---|---|---|---|---|---|---|---|\n",
+            self.prompts,
+            TreeShape::clients_default()
+        );
+        let row = |name: &str, tree: &str, r: &QuicRun| {
+            let v = r.to_json();
+            format!(
+                "| {name} | {tree} | {:.1} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} | {}/{} |\n",
+                v["tokens_per_s"].as_f64().unwrap_or(0.0),
+                v["tau"].as_f64().unwrap_or(0.0),
+                v["nodes_per_round"].as_f64().unwrap_or(0.0),
+                v["draft_us_per_node"].as_f64().unwrap_or(0.0),
+                v["bytes_up_per_round"].as_f64().unwrap_or(0.0),
+                v["bytes_down_per_round"].as_f64().unwrap_or(0.0),
+                r.identical,
+                self.prompts
+            )
+        };
+        md += &row("none (incremental)", "-", &self.incremental);
+        for (name, [adaptive, whole]) in DRAFTERS.iter().zip(&self.drafted) {
+            md += &row(name, "default", adaptive);
+            md += &row(name, "whole budget", whole);
+        }
+        md + "\n"
+    }
+}
+
+/// Runs every prompt incrementally and with each drafter and tree in turn (prompt by prompt, so
+/// a change in the machine's load falls on every configuration alike).
+fn over_quic<'d>(
+    ctx: &Ctx,
+    llm_path: &Path,
+    draft: &dyn Fn(usize) -> Box<dyn DraftModel + Send + 'd>,
+) -> Result<QuicTable> {
+    // Read before the process is pinned, which narrows what it reports.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = cores >= 2;
+    let verifier = VerifierProcess::start_with(&VerifierOptions {
+        core: pinned.then_some(1),
+        llm: llm_path,
+        ssm: None,
+        listen: "127.0.0.1:0".parse().expect("literal"),
+        identity: None,
+        extra: Vec::new(),
+    })?;
+    let remote = verifier.remote(verifier.addr, ctx.tok.fingerprint())?;
+    if pinned {
+        pin_this_process("0")?;
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(async {
+        let mut client = Client::connect(remote).await?;
+        let mut table = QuicTable {
+            pinned,
+            prompts: ctx.prompts.len(),
+            incremental: QuicRun::default(),
+            drafted: Default::default(),
+        };
+        let shapes = [
+            TreeShape::clients_default(),
+            TreeShape::clients_default().uncut(),
+        ];
+        for (i, ids) in ctx.prompts.iter().enumerate() {
+            let p = params(ctx, VerifyMode::Greedy, i as u64);
+            let mut plain = RoundDriver::new(ids.clone(), p.clone(), None)?;
+            let reference = client.generate(&mut plain, |_| {}).await?;
+            add(&mut table.incremental, &reference, &reference.token_ids);
+            for (which, runs) in table.drafted.iter_mut().enumerate() {
+                for (shape, run) in shapes.iter().zip(runs.iter_mut()) {
+                    let drafter = Drafter {
+                        speculator: Speculator::for_request(shape.clone(), DraftMode::Greedy, 0),
+                        drafts: vec![draft(which)],
+                    };
+                    let mut driver = RoundDriver::new(ids.clone(), p.clone(), Some(drafter))?;
+                    let g = client.generate(&mut driver, |_| {}).await?;
+                    add(run, &g, &reference.token_ids);
+                }
+            }
+            eprintln!("      prompt {}/{} over QUIC", i + 1, ctx.prompts.len());
+        }
+        client.shutdown().await;
+        anyhow::Ok(table)
+    });
+    if pinned {
+        pin_this_process(&format!("0-{}", cores - 1))?;
+    }
+    drop(verifier);
+    result
+}
+
+fn add(run: &mut QuicRun, g: &specinfer_edge::Generation, reference: &[u32]) {
+    run.tokens += g.token_ids.len();
+    run.rounds += g.stats.rounds;
+    run.tree_nodes += g.stats.tree_nodes;
+    run.draft_s += g.stats.draft_s;
+    run.wall_s += g.wall.as_secs_f64();
+    run.bytes_up += g.bytes_up;
+    run.bytes_down += g.bytes_down;
+    run.identical += usize::from(g.token_ids == reference);
+}
