@@ -221,6 +221,13 @@ impl<M: TreeModel> Session<M> {
         &self.params
     }
 
+    /// Stops gathering the LLM's features for verdicts: once the verifier decodes the session
+    /// on its own (`Generate`, after which no tree comes), no drafter reads them, and each would
+    /// cost a row (580 bytes for SmolLM2) per token downstream. Pending rows are dropped.
+    pub fn stop_features(&mut self) {
+        self.features = None;
+    }
+
     pub fn generated(&self) -> &[u32] {
         &self.tokens[self.prompt_len..]
     }

@@ -209,10 +209,12 @@ impl<'a> RoundDriver<'a> {
             .max_new_tokens
             .saturating_sub(self.generated().len() as u32)
             .max(1);
-        let return_features = self
-            .drafter
-            .as_ref()
-            .is_some_and(|d| d.drafts.iter().any(|m| m.wants_features()));
+        // Once the verifier decodes on its own, nothing drafts from features any more.
+        let return_features = !self.server_decodes
+            && self
+                .drafter
+                .as_ref()
+                .is_some_and(|d| d.drafts.iter().any(|m| m.wants_features()));
         let params = SamplingParams {
             max_new_tokens: left,
             return_features,

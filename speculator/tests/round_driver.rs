@@ -431,3 +431,37 @@ fn a_seeded_sampled_answer_does_not_hand_off_on_the_verifiers_load() {
     assert!(!wants_server(sampled, true));
     assert!(wants_server(SamplingParams::greedy(16), true));
 }
+
+/// The toy draft asking for the LLM's features, as a feature-conditioned draft does.
+struct FeatureReader(ToyDraft);
+
+impl DraftModel for FeatureReader {
+    fn sync(&mut self, committed: &[u32]) -> Result<(), ModelError> {
+        self.0.sync(committed)
+    }
+    fn extend(&mut self, tree: &TokenTree, first: usize) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.0.extend(tree, first)
+    }
+    fn wants_features(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_session_reopened_after_the_hand_off_asks_for_no_features() {
+    let drafter = Drafter {
+        speculator: Speculator::with_shape(TreeShape::Expansion(vec![1, 1]), DraftMode::Greedy, 0),
+        drafts: vec![Box::new(FeatureReader(ToyDraft::new(3)))],
+    };
+    let mut d =
+        RoundDriver::new(PROMPT.to_vec(), SamplingParams::greedy(30), Some(drafter)).unwrap();
+    assert!(
+        d.open_request().1.return_features,
+        "a feature draft's session asks for the LLM's features"
+    );
+    d.start_server_decoding().unwrap();
+    assert!(
+        !d.open_request().1.return_features,
+        "a session the verifier decodes on its own asked for features nothing reads"
+    );
+}

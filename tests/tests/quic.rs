@@ -130,6 +130,8 @@ async fn server_generated(
     loop {
         let v = s.verdict().await?;
         assert!(v.stats.tree_nodes >= 1);
+        // Nothing drafts from features once the verifier decodes on its own.
+        assert!(v.features.is_none(), "a streamed verdict carried features");
         tokens.extend(&v.tokens);
         rounds += 1;
         if v.finish.is_some() {
@@ -153,6 +155,19 @@ async fn the_verifier_generating_on_its_own_gives_the_client_driven_answer() {
             .unwrap();
     assert_eq!(plain, reference.token_ids, "server-side plain decoding");
     assert_eq!(plain_rounds, 48, "plain decoding is one token per round");
+    // A session opened for a feature drafter that hands off: the same answer, and no features
+    // (not even the prompt's, still pending) in the streamed verdicts.
+    let with_features = SamplingParams {
+        return_features: true,
+        ..params.clone()
+    };
+    let (handed_off, _) = server_generated(&remote, &ids, with_features, ServerDrafting::Plain)
+        .await
+        .unwrap();
+    assert_eq!(
+        handed_off, reference.token_ids,
+        "after a feature session's hand-off"
+    );
     let (spec, spec_rounds) =
         server_generated(&remote, &ids, params.clone(), ServerDrafting::Speculative)
             .await

@@ -146,7 +146,7 @@ struct QuicRun {
     wall_s: f64,
     bytes_up: usize,
     bytes_down: usize,
-    /// Answers token-identical to incremental decoding's.
+    /// Answers token-identical to the verifier's own decoding (server-only).
     identical: usize,
 }
 
@@ -161,28 +161,64 @@ impl QuicRun {
             "nodes_per_round": self.tree_nodes as f64 / rounds,
             "bytes_up_per_round": self.bytes_up as f64 / rounds,
             "bytes_down_per_round": self.bytes_down as f64 / rounds,
-            "identical_to_incremental": self.identical,
+            "identical_to_server_only": self.identical,
         })
     }
 }
 
-/// Incremental decoding, then each drafter with the clients' default tree (adaptive, as a user
-/// gets it) and at its whole budget.
+/// How a drafter's client runs in the QUIC table.
+struct ClientConfig {
+    label: &'static str,
+    shape: TreeShape,
+    lookup: Option<ContextLookup>,
+    hand_off: bool,
+}
+
+fn client_configs() -> [ClientConfig; 3] {
+    [
+        ClientConfig {
+            label: "as `specinfer` runs it (default tree, lookup, hand-off)",
+            shape: TreeShape::clients_default(),
+            lookup: Some(ContextLookup::default()),
+            hand_off: true,
+        },
+        ClientConfig {
+            label: "default tree alone",
+            shape: TreeShape::clients_default(),
+            lookup: None,
+            hand_off: false,
+        },
+        ClientConfig {
+            label: "default tree uncut",
+            shape: TreeShape::clients_default().uncut(),
+            lookup: None,
+            hand_off: false,
+        },
+    ]
+}
+
+/// Server-only decoding, incremental rounds, then each drafter in each [`client_configs`].
 struct QuicTable {
     pinned: bool,
     prompts: usize,
+    /// The verifier decodes on its own and streams (`Generate`): a server-only deployment.
+    server_only: QuicRun,
+    /// The client sends root-only trees, one round trip per token.
     incremental: QuicRun,
-    /// [drafter][adaptive, whole budget]
-    drafted: [[QuicRun; 2]; 2],
+    /// [drafter][client config]
+    drafted: [[QuicRun; 3]; 2],
 }
 
 impl QuicTable {
     fn to_json(&self) -> Value {
+        let configs = client_configs();
         json!({
             "client_and_verifier_pinned_to_separate_cores": self.pinned,
+            "server_only": self.server_only.to_json(),
             "incremental": self.incremental.to_json(),
-            "drafted": DRAFTERS.iter().zip(&self.drafted).map(|(name, [adaptive, whole])| (name.to_string(), json!({
-                "default_tree": adaptive.to_json(), "default_tree_uncut": whole.to_json()}))).collect::<serde_json::Map<_, _>>(),
+            "drafted": DRAFTERS.iter().zip(&self.drafted).map(|(name, runs)| (name.to_string(),
+                configs.iter().zip(runs).map(|(c, r)| (c.label.to_string(), r.to_json())).collect::<serde_json::Map<_, _>>().into()))
+                .collect::<serde_json::Map<_, _>>(),
         })
     }
 
@@ -193,15 +229,15 @@ impl QuicTable {
             "one core: client and verifier process share it, so drafting time counts twice"
         };
         let mut md = format!(
-            "\nOver QUIC on loopback, greedy, {} prompts ({placement}); every answer is checked against incremental decoding's. \"default tree\" is what `specinfer` runs (`{}`: its adaptive cut grows the tree while its nodes pay on this machine); \"whole budget\" the same tree uncut.\n\n\
-             | drafter | tree | tokens/s | tau | nodes/round | drafting us/node | bytes up/round | bytes down/round | identical answers |\n|---|---|---|---|---|---|---|---|---|\n",
+            "\nOver QUIC on loopback, greedy, {} prompts ({placement}); every answer is checked against the verifier's own decoding (server-only: it decodes and streams, one round per token but no round trip per token). The default tree is `{}`: its adaptive cut grows a tree while its nodes pay on this machine; the hand-off gives the rest of an answer to the verifier's own decoding once split rounds cost more per token. Tau counts the verifier's own steps after a hand-off as rounds.\n\n\
+             | drafter | client | tokens/s | tau | nodes/round | drafting us/node | bytes up/round | bytes down/round | identical answers |\n|---|---|---|---|---|---|---|---|---|\n",
             self.prompts,
             TreeShape::clients_default()
         );
-        let row = |name: &str, tree: &str, r: &QuicRun| {
+        let row = |name: &str, client: &str, r: &QuicRun| {
             let v = r.to_json();
             format!(
-                "| {name} | {tree} | {:.1} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} | {}/{} |\n",
+                "| {name} | {client} | {:.1} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} | {}/{} |\n",
                 v["tokens_per_s"].as_f64().unwrap_or(0.0),
                 v["tau"].as_f64().unwrap_or(0.0),
                 v["nodes_per_round"].as_f64().unwrap_or(0.0),
@@ -212,17 +248,19 @@ impl QuicTable {
                 self.prompts
             )
         };
-        md += &row("none (incremental)", "-", &self.incremental);
-        for (name, [adaptive, whole]) in DRAFTERS.iter().zip(&self.drafted) {
-            md += &row(name, "default", adaptive);
-            md += &row(name, "whole budget", whole);
+        md += &row("none", "server-only", &self.server_only);
+        md += &row("none", "incremental rounds", &self.incremental);
+        for (name, runs) in DRAFTERS.iter().zip(&self.drafted) {
+            for (c, r) in client_configs().iter().zip(runs) {
+                md += &row(name, c.label, r);
+            }
         }
         md + "\n"
     }
 }
 
-/// Runs every prompt incrementally and with each drafter and tree in turn (prompt by prompt, so
-/// a change in the machine's load falls on every configuration alike).
+/// Runs every prompt server-only, incrementally and with each drafter and client in turn (prompt by prompt,
+/// so a change in the machine's load falls on every configuration alike).
 fn over_quic<'d>(
     ctx: &Ctx,
     llm_path: &Path,
@@ -251,25 +289,29 @@ fn over_quic<'d>(
         let mut table = QuicTable {
             pinned,
             prompts: ctx.prompts.len(),
+            server_only: QuicRun::default(),
             incremental: QuicRun::default(),
             drafted: Default::default(),
         };
-        let shapes = [
-            TreeShape::clients_default(),
-            TreeShape::clients_default().uncut(),
-        ];
+        let configs = client_configs();
         for (i, ids) in ctx.prompts.iter().enumerate() {
             let p = params(ctx, VerifyMode::Greedy, i as u64);
+            let mut server = RoundDriver::new(ids.clone(), p.clone(), None)?;
+            server.start_server_decoding()?;
+            let reference = client.generate(&mut server, |_| {}).await?;
+            add(&mut table.server_only, &reference, &reference.token_ids);
             let mut plain = RoundDriver::new(ids.clone(), p.clone(), None)?;
-            let reference = client.generate(&mut plain, |_| {}).await?;
-            add(&mut table.incremental, &reference, &reference.token_ids);
+            let g = client.generate(&mut plain, |_| {}).await?;
+            add(&mut table.incremental, &g, &reference.token_ids);
             for (which, runs) in table.drafted.iter_mut().enumerate() {
-                for (shape, run) in shapes.iter().zip(runs.iter_mut()) {
+                for (c, run) in configs.iter().zip(runs.iter_mut()) {
                     let drafter = Drafter {
-                        speculator: Speculator::for_request(shape.clone(), DraftMode::Greedy, 0),
+                        speculator: Speculator::for_request(c.shape.clone(), DraftMode::Greedy, 0),
                         drafts: vec![draft(which)],
                     };
-                    let mut driver = RoundDriver::new(ids.clone(), p.clone(), Some(drafter))?;
+                    let mut driver = RoundDriver::new(ids.clone(), p.clone(), Some(drafter))?
+                        .with_lookup(c.lookup)
+                        .with_hand_off(c.hand_off);
                     let g = client.generate(&mut driver, |_| {}).await?;
                     add(run, &g, &reference.token_ids);
                 }
