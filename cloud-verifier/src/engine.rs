@@ -35,7 +35,7 @@ use crate::costs::CostBook;
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
 use crate::quota::KeyRates;
-use crate::session::{run_batch, Done, Work};
+use crate::session::{run_batch, Done, PrefixFeatures, Work};
 use crate::{RoundOutcome, Session, SessionError};
 
 #[derive(Clone, Debug)]
@@ -310,6 +310,13 @@ struct Entry<M: TreeModel> {
     driving: Option<Driving>,
 }
 
+/// A closed session's K/V kept for reuse, with the features it kept when it gathered them
+/// (a feature-conditioned drafter's session reuses only an entry that has them).
+struct CachedPrefix<C> {
+    cache: C,
+    features: Option<PrefixFeatures>,
+}
+
 /// A session the engine decodes on its own: the same round driver the clients run drafts its
 /// trees (root-only ones for plain decoding).
 struct Driving {
@@ -458,7 +465,7 @@ struct Engine<M: TreeModel> {
     /// See [`EngineHandle::drain`].
     draining: bool,
     /// Closed sessions' K/V, for sessions that start with the same tokens.
-    prefixes: PrefixCache<M::Cache>,
+    prefixes: PrefixCache<CachedPrefix<M::Cache>>,
     /// Each key's token rate.
     rates: KeyRates,
     /// Set by an iteration that placed nothing because every waiting key was over its rate:
@@ -787,17 +794,23 @@ impl<M: TreeModel> Engine<M> {
             ));
         }
         // Reuse the longest cached prefix of the prompt (all but its last token, the first
-        // round's root). Not for sessions that want features: they need the prompt's.
-        let hit = if params.return_features {
-            None
-        } else {
-            let model = &self.model;
-            self.prefixes.take_longest(
-                &prompt[..prompt.len() - 1],
-                MIN_PREFIX_TOKENS,
-                |cache, len| model.copy_prefix(cache, len),
-            )
-        };
+        // round's root); for a session that wants features, one whose entry kept the features
+        // it will send.
+        let model = &self.model;
+        let hit = self.prefixes.take_longest(
+            &prompt[..prompt.len() - 1],
+            MIN_PREFIX_TOKENS,
+            |p| {
+                !params.return_features
+                    || p.features.as_ref().is_some_and(|f| f.serve(prompt.len()))
+            },
+            |p, len| {
+                model.copy_prefix(&p.cache, len).map(|cache| CachedPrefix {
+                    cache,
+                    features: p.features.as_ref().map(|f| f.before(len)),
+                })
+            },
+        );
         // Cached prefixes give way to sessions.
         while self.reserved_bytes() + self.prefixes.bytes() + need > self.cfg.kv_budget_bytes
             && self.prefixes.evict_oldest()
@@ -819,8 +832,9 @@ impl<M: TreeModel> Engine<M> {
                     &prompt,
                     params,
                     &self.cfg.limits,
-                    hit.cache,
+                    hit.cache.cache,
                     hit.tokens,
+                    hit.cache.features,
                 )
             }
             None => Session::new(&*self.model, &prompt, params, &self.cfg.limits),
@@ -862,10 +876,15 @@ impl<M: TreeModel> Engine<M> {
             return;
         };
         if e.opening.is_none() && !self.draining {
-            let bytes = e.session.kv_bytes();
-            let (tokens, cache) = e.session.into_prefix();
-            self.prefixes
-                .insert(tokens, cache, bytes, MIN_PREFIX_TOKENS);
+            let kv_bytes = e.session.kv_bytes();
+            let (tokens, cache, features) = e.session.into_prefix();
+            let bytes = kv_bytes + features.as_ref().map_or(0, PrefixFeatures::bytes);
+            self.prefixes.insert(
+                tokens,
+                CachedPrefix { cache, features },
+                bytes,
+                MIN_PREFIX_TOKENS,
+            );
             self.publish_prefixes();
         }
     }

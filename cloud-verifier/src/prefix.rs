@@ -74,7 +74,7 @@ impl<C> PrefixCache<C> {
         });
     }
 
-    /// The K/V of the longest prefix `prompt` shares with an entry, if it has at least
+    /// The K/V of the longest prefix `prompt` shares with a `usable` entry, if it has at least
     /// `min_tokens` tokens: the entry itself, taken out, when `prompt` extends its whole
     /// sequence or `copy` (the shared positions of an entry's cache) gives nothing; else that
     /// copy, the entry staying. The caller truncates the cache to [`Hit::tokens`].
@@ -82,12 +82,14 @@ impl<C> PrefixCache<C> {
         &mut self,
         prompt: &[u32],
         min_tokens: usize,
+        usable: impl Fn(&C) -> bool,
         copy: impl FnOnce(&C, usize) -> Option<C>,
     ) -> Option<Hit<C>> {
         let (best, shared) = self
             .entries
             .iter()
             .enumerate()
+            .filter(|(_, e)| usable(&e.cache))
             .map(|(i, e)| (i, common_prefix(&e.tokens, prompt)))
             .max_by_key(|&(i, shared)| (shared, i))?;
         if shared < min_tokens.max(1) {
@@ -156,19 +158,21 @@ mod tests {
         c.insert(vec![1, 2, 9], "b", 30, 1);
         let copied = |e: &&str, _: usize| Some(if *e == "a" { "copy of a" } else { "copy of b" });
         // Another request under the system prompt: a copy of the two shared positions.
-        let hit = c.take_longest(&[1, 2, 5, 5], 1, copied).unwrap();
+        let hit = c.take_longest(&[1, 2, 5, 5], 1, |_| true, copied).unwrap();
         assert_eq!((hit.cache, hit.tokens), ("copy of b", 2));
         assert_eq!((c.len(), c.bytes()), (2, 70));
         // The first prompt again still finds its own entry whole; its answer differs from the
         // cached one after position 3, so it is copied too.
-        let hit = c.take_longest(&[1, 2, 3, 7], 1, copied).unwrap();
+        let hit = c.take_longest(&[1, 2, 3, 7], 1, |_| true, copied).unwrap();
         assert_eq!((hit.cache, hit.tokens), ("copy of a", 3));
         // A next turn extending a whole sequence moves the entry out.
-        let hit = c.take_longest(&[1, 2, 3, 4, 8], 1, copied).unwrap();
+        let hit = c
+            .take_longest(&[1, 2, 3, 4, 8], 1, |_| true, copied)
+            .unwrap();
         assert_eq!((hit.cache, hit.tokens), ("a", 4));
         assert_eq!((c.len(), c.bytes()), (1, 30));
         // Where the engine cannot copy, a partly shared entry is moved out as before.
-        let hit = c.take_longest(&[1, 2, 5], 1, no_copy).unwrap();
+        let hit = c.take_longest(&[1, 2, 5], 1, |_| true, no_copy).unwrap();
         assert_eq!((hit.cache, hit.tokens), ("b", 2));
         assert!(c.is_empty());
     }
@@ -180,18 +184,22 @@ mod tests {
         c.insert(vec![1, 2, 9], "b", 40, 1);
         assert_eq!((c.len(), c.bytes()), (2, 80));
         // Shares 3 tokens with "a", 2 with "b".
-        let hit = c.take_longest(&[1, 2, 3, 7, 7], 1, no_copy).unwrap();
+        let hit = c
+            .take_longest(&[1, 2, 3, 7, 7], 1, |_| true, no_copy)
+            .unwrap();
         assert_eq!((hit.cache, hit.tokens), ("a", 3));
         assert_eq!((c.len(), c.bytes()), (1, 40));
         // Below the minimum shared length: nothing.
-        assert!(c.take_longest(&[1, 2, 9, 9], 4, no_copy).is_none());
-        assert!(c.take_longest(&[5], 1, no_copy).is_none());
+        assert!(c
+            .take_longest(&[1, 2, 9, 9], 4, |_| true, no_copy)
+            .is_none());
+        assert!(c.take_longest(&[5], 1, |_| true, no_copy).is_none());
         // Room is made by evicting the oldest; an entry over the whole budget is not kept.
         c.insert(vec![5, 6], "c", 40, 1);
         c.insert(vec![7, 8], "d", 40, 1);
         assert_eq!((c.len(), c.bytes()), (2, 80));
         assert!(
-            c.take_longest(&[1, 2, 9], 1, no_copy).is_none(),
+            c.take_longest(&[1, 2, 9], 1, |_| true, no_copy).is_none(),
             "b was the oldest"
         );
         c.insert(vec![1], "huge", 101, 1);
@@ -199,6 +207,25 @@ mod tests {
         // Too short to be worth keeping.
         c.insert(vec![3], "short", 1, 2);
         assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn an_entry_the_caller_cannot_use_is_passed_over_for_a_shorter_one() {
+        let mut c = PrefixCache::new(1000);
+        c.insert(vec![1, 2, 3, 4], "without features", 40, 1);
+        c.insert(vec![1, 2, 9], "with features", 30, 1);
+        let usable = |e: &&str| *e == "with features";
+        let hit = c
+            .take_longest(&[1, 2, 3, 4, 5], 1, usable, no_copy)
+            .unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("with features", 2));
+        assert!(c
+            .take_longest(&[1, 2, 3, 4, 5], 1, usable, no_copy)
+            .is_none());
+        let hit = c
+            .take_longest(&[1, 2, 3, 4, 5], 1, |_| true, no_copy)
+            .unwrap();
+        assert_eq!((hit.cache, hit.tokens), ("without features", 4));
     }
 
     #[test]

@@ -88,18 +88,46 @@ pub struct Session<M: TreeModel = Llama> {
     tokens: Vec<u32>,
     prompt_len: usize,
     finish: Option<FinishReason>,
-    /// When the session asked for features: those of consecutive positions not yet sent.
-    features: Option<PendingFeatures>,
+    /// When the session asked for features: those not yet sent, and the last ones sent.
+    features: Option<SessionFeatures>,
 }
 
-/// Features of positions `first..first + rows.len() / dim`, waiting for the next verdict.
-struct PendingFeatures {
-    first: usize,
+/// The LLM's features of a session's consecutive committed positions `first..`: the rows not
+/// yet sent (from `unsent` on), and before them the last [`PROMPT_FEATURE_ROWS`] sent, which a
+/// later session reusing this one's K/V as its prompt's prefix sends in place of prefilling.
+struct SessionFeatures {
     dim: usize,
+    first: usize,
     rows: Vec<f32>,
+    unsent: usize,
 }
 
-impl PendingFeatures {
+impl SessionFeatures {
+    /// Starting at position `reused` (the first to prefill), after `cached`'s rows of the
+    /// positions before it, if any.
+    fn new(dim: usize, reused: usize, cached: Option<PrefixFeatures>) -> Self {
+        let mut f = match cached.map(|c| c.before(reused)) {
+            Some(c) if c.dim == dim && c.end() == reused => SessionFeatures {
+                dim,
+                first: c.first,
+                unsent: c.first,
+                rows: c.rows,
+            },
+            _ => SessionFeatures {
+                dim,
+                first: reused,
+                unsent: reused,
+                rows: Vec::new(),
+            },
+        };
+        f.keep_last(PROMPT_FEATURE_ROWS);
+        f
+    }
+
+    fn end(&self) -> usize {
+        self.first + self.rows.len() / self.dim
+    }
+
     /// Appends the features of `nodes` of a forward's output, the positions that follow the
     /// ones held.
     fn push(&mut self, logits: &specinfer_model::Logits, nodes: impl Iterator<Item = usize>) {
@@ -117,14 +145,51 @@ impl PendingFeatures {
         if held > rows {
             self.rows.drain(..(held - rows) * self.dim);
             self.first += held - rows;
+            self.unsent = self.unsent.max(self.first);
         }
     }
 
+    /// The rows not yet sent, as the wire carries them.
     fn take(&mut self) -> FeatureRows {
-        let rows = FeatureRows::quantize(self.first as u32, self.dim, &self.rows);
-        self.first += self.rows.len() / self.dim;
-        self.rows.clear();
+        let from = (self.unsent - self.first) * self.dim;
+        let rows = FeatureRows::quantize(self.unsent as u32, self.dim, &self.rows[from..]);
+        self.unsent = self.end();
+        self.keep_last(PROMPT_FEATURE_ROWS);
         rows
+    }
+}
+
+/// The LLM's features a prefix-cache entry keeps beside its K/V: of positions `first..`, in f32.
+pub struct PrefixFeatures {
+    first: usize,
+    dim: usize,
+    rows: Vec<f32>,
+}
+
+impl PrefixFeatures {
+    fn end(&self) -> usize {
+        self.first + self.rows.len() / self.dim.max(1)
+    }
+
+    /// Those of the positions before `len`.
+    pub fn before(&self, len: usize) -> PrefixFeatures {
+        let keep = len.clamp(self.first, self.end()) - self.first;
+        PrefixFeatures {
+            first: self.first,
+            dim: self.dim,
+            rows: self.rows[..keep * self.dim].to_vec(),
+        }
+    }
+
+    /// Whether a session over a prompt of `prompt_len` tokens finds here every feature it
+    /// sends that it does not prefill: those of the prompt's last [`PROMPT_FEATURE_ROWS`]
+    /// positions before its first round's root, as a session that prefilled it all sends.
+    pub fn serve(&self, prompt_len: usize) -> bool {
+        self.first <= prompt_len.saturating_sub(1 + PROMPT_FEATURE_ROWS)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.rows.len() * std::mem::size_of::<f32>()
     }
 }
 
@@ -138,14 +203,15 @@ impl<M: TreeModel> Session<M> {
         params: SamplingParams,
         limits: &Limits,
     ) -> Result<Self, SessionError> {
-        Self::with_cache(model, prompt, params, limits, model.new_cache()?, 0)
+        Self::with_cache(model, prompt, params, limits, model.new_cache()?, 0, None)
     }
 
     /// [`Session::new`] over a cache whose first `reused` committed positions hold the K/V of
     /// `prompt`'s first `reused` tokens (a prefix reused from an earlier session, which may
     /// hold more after them): the cache is cut to those (at most all but the prompt's last
     /// token), and only the rest of the prompt is prefilled. A session that asks for features
-    /// gets none for the reused positions.
+    /// sends `features` (those the prefix's entry kept) for the reused positions; without
+    /// them, none.
     pub fn with_cache(
         model: &M,
         prompt: &[u32],
@@ -153,6 +219,7 @@ impl<M: TreeModel> Session<M> {
         limits: &Limits,
         mut cache: M::Cache,
         reused: usize,
+        features: Option<PrefixFeatures>,
     ) -> Result<Self, SessionError> {
         TokenTree::chain(prompt).validate(
             model.config().vocab_size as u32,
@@ -168,11 +235,9 @@ impl<M: TreeModel> Session<M> {
             .min(M::committed(&cache))
             .min(prompt.len().saturating_sub(1));
         model.truncate(&mut cache, reused);
-        let features = params.return_features.then(|| PendingFeatures {
-            first: reused,
-            dim: model.config().d_model,
-            rows: Vec::new(),
-        });
+        let features = params
+            .return_features
+            .then(|| SessionFeatures::new(model.config().d_model, reused, features));
         Ok(Session {
             params,
             cache,
@@ -236,12 +301,21 @@ impl<M: TreeModel> Session<M> {
         self.finish
     }
 
-    /// Gives up the session's cache with the tokens whose K/V it holds, for reuse by a later
-    /// session that starts with them.
-    pub fn into_prefix(self) -> (Vec<u32>, M::Cache) {
+    /// Gives up the session's cache with the tokens whose K/V it holds, and the features it
+    /// holds of them when it gathered features, for reuse by a later session that starts with
+    /// them.
+    pub fn into_prefix(self) -> (Vec<u32>, M::Cache, Option<PrefixFeatures>) {
         let mut tokens = self.tokens;
         tokens.truncate(M::committed(&self.cache));
-        (tokens, self.cache)
+        let features = self.features.map(|f| {
+            PrefixFeatures {
+                first: f.first,
+                dim: f.dim,
+                rows: f.rows,
+            }
+            .before(tokens.len())
+        });
+        (tokens, self.cache, features)
     }
 
     pub fn kv_bytes(&self) -> usize {

@@ -2,7 +2,8 @@
 //! first and prefills only what is new, another conversation reuses only the system prompt they
 //! share (a copy: the chat's K/V stay for its own prompts, so its first question asked again
 //! reuses all of its prompt), and every answer is token for token what a verifier without the
-//! prefix cache gives.
+//! prefix cache gives. A feature-conditioned drafter's sessions reuse prefixes too, and send the
+//! LLM's features of the positions they did not prefill from what the earlier session kept.
 
 use specinfer_edge::Client;
 use specinfer_integration::{chat_ids, smollm2, start_verifier};
@@ -10,7 +11,7 @@ use specinfer_model::ChatMessage;
 use specinfer_net::RemoteConfig;
 use specinfer_speculator::RoundDriver;
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_wire::SamplingParams;
+use specinfer_wire::{FeatureRows, SamplingParams, TokenTree};
 
 /// On one connection: a two-turn chat, then a new conversation with another question. Each
 /// answer, and each prompt's length.
@@ -101,4 +102,103 @@ async fn reused_prefixes_prefill_only_what_is_new_and_change_no_answer() {
         assert!(want.len() > 4);
         assert_eq!(got, want, "answer {i} changed by a reused prefix");
     }
+}
+
+/// Root-only rounds of a session that asks for features, on a connection to `remote`: the
+/// committed tokens at the end (prompt and answer), and the first verdict's features.
+async fn feature_session(
+    remote: &RemoteConfig,
+    prompt: &[u32],
+    max_new: u32,
+) -> (Vec<u32>, FeatureRows) {
+    let params = SamplingParams {
+        return_features: true,
+        ..SamplingParams::greedy(max_new)
+    };
+    let conn = specinfer_net::Remote::connect(remote).await.unwrap();
+    let mut s = conn.open(1, prompt.to_vec(), params).await.unwrap();
+    let mut committed = prompt.to_vec();
+    let mut first = None;
+    loop {
+        let root = *committed.last().unwrap();
+        let v = s.verify(TokenTree::chain(&[root])).await.unwrap();
+        committed.extend(&v.tokens);
+        first.get_or_insert(
+            v.features
+                .expect("a feature session's verdict without features"),
+        );
+        if v.finish.is_some() {
+            break;
+        }
+    }
+    s.close().await.unwrap();
+    conn.shutdown().await;
+    (committed, first.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feature_session_reuses_a_prefix_and_sends_the_features_the_first_kept() {
+    let (cached, remote) = start_verifier(EngineConfig::default());
+    let (plain, plain_remote) = start_verifier(EngineConfig {
+        prefix_cache_bytes: 0,
+        ..EngineConfig::default()
+    });
+    let (_, tok) = smollm2();
+    let first_turn = chat_ids("What is the capital of France?");
+    let (committed, _) = feature_session(&remote, &first_turn, 16).await;
+    // The next turn's prompt extends everything the first committed.
+    let mut next_turn = committed.clone();
+    next_turn.extend(tok.encode("\nAnd of Italy?").unwrap());
+    let (_, reused_rows) = feature_session(&remote, &next_turn, 4).await;
+    let (_, fresh_rows) = feature_session(&plain_remote, &next_turn, 4).await;
+    let m = cached.metrics();
+    let reused = m
+        .prefix_tokens_reused
+        .load(std::sync::atomic::Ordering::Relaxed) as usize;
+    assert_eq!(m.prefix_hits.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(reused, committed.len() - 1, "the first turn's K/V, whole");
+    // The same positions (the whole prompt and the first root: the prompt is shorter than
+    // what a drafter reads), each row the LLM's feature of its position within 8-bit rounding
+    // and the float noise of prefilled against decoded positions.
+    assert_eq!(
+        (
+            reused_rows.first_position,
+            reused_rows.dim,
+            reused_rows.scales.len()
+        ),
+        (
+            fresh_rows.first_position,
+            fresh_rows.dim,
+            fresh_rows.scales.len()
+        )
+    );
+    assert_eq!(fresh_rows.scales.len(), next_turn.len());
+    let (got, want) = (reused_rows.dequantize(), fresh_rows.dequantize());
+    let dim = fresh_rows.dim as usize;
+    // The largest difference between two rows relative to the second's largest value.
+    let relative = |a: &[f32], b: &[f32]| {
+        let max = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / max
+    };
+    let rows: Vec<(&[f32], &[f32])> = got.chunks(dim).zip(want.chunks(dim)).collect();
+    let worst = rows
+        .iter()
+        .map(|(a, b)| relative(a, b))
+        .fold(0f32, f32::max);
+    println!("largest relative difference of a reused row: {worst:.4}");
+    assert!(
+        worst <= 0.05,
+        "a reused row differs by {worst} of its scale"
+    );
+    // A row one position off would not pass: neighbours differ by far more.
+    let neighbours = rows
+        .windows(2)
+        .map(|w| relative(w[0].0, w[1].1))
+        .fold(f32::INFINITY, f32::min);
+    assert!(
+        neighbours > 0.05,
+        "neighbouring rows differ by only {neighbours}"
+    );
+    cached.shutdown().await;
+    plain.shutdown().await;
 }
