@@ -28,12 +28,15 @@ pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) 
     let restrict = (top_k > 0 && top_k < p.len()) || top_p < 1.0;
     if restrict {
         let mut order: Vec<usize> = (0..p.len()).collect();
-        order.sort_unstable_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
         let mut keep = if top_k > 0 {
             top_k.min(p.len())
         } else {
             p.len()
         };
+        // Only the `keep` most likely are ranked: selected in linear time, then sorted.
+        rank_first(&mut order, keep, |&a, &b| {
+            p[b].total_cmp(&p[a]).then(a.cmp(&b))
+        });
         if top_p < 1.0 {
             let total: f64 = order[..keep].iter().map(|&i| p[i] as f64).sum();
             let mut mass = 0f64;
@@ -83,13 +86,30 @@ pub fn sample(p: &[f32], u: f64) -> usize {
     last
 }
 
+/// Puts the first `k` of `items` in `rank`'s order (a total order) at the front, sorted; the
+/// rest follow in no order. A draft's sampled proposal keeps a few of some 8,000 candidates per
+/// tree node, where sorting them all cost about as much as the draft's own forward.
+fn rank_first<T>(items: &mut [T], k: usize, rank: impl Fn(&T, &T) -> std::cmp::Ordering) {
+    if k == 0 {
+        return;
+    }
+    if k < items.len() {
+        items.select_nth_unstable_by(k - 1, &rank);
+    }
+    let k = k.min(items.len());
+    items[..k].sort_unstable_by(&rank);
+}
+
 /// The `k` most likely tokens of `p`, renormalised: the sparse proposal a draft sends.
 pub fn top_k_sparse(p: &[f32], k: usize) -> (Vec<u32>, Vec<f32>) {
     let mut order: Vec<u32> = (0..p.len() as u32)
         .filter(|&i| p[i as usize] > 0.0)
         .collect();
-    order.sort_unstable_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
-    order.truncate(k.max(1));
+    let k = k.max(1);
+    rank_first(&mut order, k, |&a, &b| {
+        p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b))
+    });
+    order.truncate(k);
     let mut probs: Vec<f32> = order.iter().map(|&i| p[i as usize]).collect();
     normalise(&mut probs);
     (order, probs)
@@ -112,6 +132,63 @@ mod tests {
         // High temperature flattens.
         let p = distribution(&logits, 100.0, 0, 1.0);
         assert!(p.iter().all(|&x| (x - 0.25).abs() < 0.01));
+    }
+
+    /// Random distributions with ties (values from a small set) and zeros: selecting the
+    /// first k and sorting them gives exactly what sorting everything gives.
+    #[test]
+    fn ranking_only_the_kept_tokens_equals_a_full_sort() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for _ in 0..500 {
+            let n = rng.random_range(1..200);
+            let logits: Vec<f32> = (0..n)
+                .map(|_| match rng.random_range(0..4) {
+                    0 => f32::NEG_INFINITY,
+                    1 => 0.5,
+                    _ => rng.random_range(-4.0f32..4.0),
+                })
+                .collect();
+            let (k, top_p) = (
+                rng.random_range(0..12),
+                rng.random_range(0.05f32..1.2).min(1.0),
+            );
+            // The full-sort reference.
+            let mut full: Vec<f32> = logits.iter().map(|&l| l.exp()).collect();
+            let total: f32 = full.iter().sum();
+            full.iter_mut().for_each(|x| *x /= total);
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_unstable_by(|&a, &b| full[b].total_cmp(&full[a]).then(a.cmp(&b)));
+            let mut keep = if k > 0 { k.min(n) } else { n };
+            let mass: f32 = order[..keep].iter().map(|&i| full[i]).sum();
+            let mut acc = 0.0;
+            for (j, &i) in order[..keep].iter().enumerate() {
+                acc += full[i];
+                if top_p < 1.0 && acc >= top_p * mass {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            let kept = |p: &[f32]| -> Vec<usize> { (0..n).filter(|&i| p[i] > 0.0).collect() };
+            let mut want: Vec<usize> = order[..keep]
+                .iter()
+                .copied()
+                .filter(|&i| full[i] > 0.0)
+                .collect();
+            want.sort_unstable();
+            let got = distribution(&logits, 1.0, k, top_p);
+            if total > 0.0 {
+                assert_eq!(kept(&got), want, "k {k}, top_p {top_p}, logits {logits:?}");
+            }
+            let (ids, _) = top_k_sparse(&full, k);
+            let mut positive: Vec<u32> = order
+                .iter()
+                .filter(|&&i| full[i] > 0.0)
+                .map(|&i| i as u32)
+                .collect();
+            positive.truncate(k.max(1));
+            assert_eq!(ids, positive, "top {k} of {full:?}");
+        }
     }
 
     #[test]
