@@ -655,7 +655,7 @@ impl<M: TreeModel> Engine<M> {
         if let Some(why) = busy {
             return Err(EngineError::new(ErrorCode::OutOfOrder, why));
         }
-        e.session.stop_features();
+        e.session.stop_sending_features();
         let params = e.session.params().clone();
         let drafter = match drafting {
             ServerDrafting::Plain => None,

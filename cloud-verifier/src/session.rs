@@ -100,6 +100,8 @@ struct SessionFeatures {
     first: usize,
     rows: Vec<f32>,
     unsent: usize,
+    /// Gathered for the prefix cache, no longer sent (the verifier decodes the rest itself).
+    muted: bool,
 }
 
 impl SessionFeatures {
@@ -112,12 +114,14 @@ impl SessionFeatures {
                 first: c.first,
                 unsent: c.first,
                 rows: c.rows,
+                muted: false,
             },
             _ => SessionFeatures {
                 dim,
                 first: reused,
                 unsent: reused,
                 rows: Vec::new(),
+                muted: false,
             },
         };
         f.keep_last(PROMPT_FEATURE_ROWS);
@@ -149,10 +153,11 @@ impl SessionFeatures {
         }
     }
 
-    /// The rows not yet sent, as the wire carries them.
-    fn take(&mut self) -> FeatureRows {
+    /// The rows not yet sent, as the wire carries them; none once muted.
+    fn take(&mut self) -> Option<FeatureRows> {
         let from = (self.unsent - self.first) * self.dim;
-        let rows = FeatureRows::quantize(self.unsent as u32, self.dim, &self.rows[from..]);
+        let rows = (!self.muted)
+            .then(|| FeatureRows::quantize(self.unsent as u32, self.dim, &self.rows[from..]));
         self.unsent = self.end();
         self.keep_last(PROMPT_FEATURE_ROWS);
         rows
@@ -286,11 +291,15 @@ impl<M: TreeModel> Session<M> {
         &self.params
     }
 
-    /// Stops gathering the LLM's features for verdicts: once the verifier decodes the session
+    /// Stops sending the LLM's features with verdicts: once the verifier decodes the session
     /// on its own (`Generate`, after which no tree comes), no drafter reads them, and each would
-    /// cost a row (580 bytes for SmolLM2) per token downstream. Pending rows are dropped.
-    pub fn stop_features(&mut self) {
-        self.features = None;
+    /// cost a row (580 bytes for SmolLM2) per token downstream. Pending rows are never sent.
+    /// They are still gathered, so that the session's prefix-cache entry serves a later
+    /// feature session (the conversation's next turn).
+    pub fn stop_sending_features(&mut self) {
+        if let Some(f) = &mut self.features {
+            f.muted = true;
+        }
     }
 
     pub fn generated(&self) -> &[u32] {
@@ -380,7 +389,7 @@ impl<M: TreeModel> Session<M> {
         model.keep_path(&mut self.cache, &path)?;
         self.tokens.extend(&tokens);
         self.finish = finish;
-        let features = self.features.as_mut().map(|f| {
+        let features = self.features.as_mut().and_then(|f| {
             f.push(logits, path.iter().map(|&n| n as usize));
             f.take()
         });

@@ -11,7 +11,7 @@ use specinfer_model::ChatMessage;
 use specinfer_net::RemoteConfig;
 use specinfer_speculator::RoundDriver;
 use specinfer_verifier::engine::EngineConfig;
-use specinfer_wire::{FeatureRows, SamplingParams, TokenTree};
+use specinfer_wire::{FeatureRows, SamplingParams, ServerDrafting, TokenTree};
 
 /// On one connection: a two-turn chat, then a new conversation with another question. Each
 /// answer, and each prompt's length.
@@ -104,12 +104,15 @@ async fn reused_prefixes_prefill_only_what_is_new_and_change_no_answer() {
     }
 }
 
-/// Root-only rounds of a session that asks for features, on a connection to `remote`: the
-/// committed tokens at the end (prompt and answer), and the first verdict's features.
+/// A session that asks for features, on a connection to `remote`: root-only rounds, or after
+/// the first the verifier decoding the rest on its own (`hand_off`, as a client does once the
+/// split stops paying). The committed tokens at the end (prompt and answer), and the first
+/// verdict's features.
 async fn feature_session(
     remote: &RemoteConfig,
     prompt: &[u32],
     max_new: u32,
+    hand_off: bool,
 ) -> (Vec<u32>, FeatureRows) {
     let params = SamplingParams {
         return_features: true,
@@ -120,15 +123,24 @@ async fn feature_session(
     let mut committed = prompt.to_vec();
     let mut first = None;
     loop {
-        let root = *committed.last().unwrap();
-        let v = s.verify(TokenTree::chain(&[root])).await.unwrap();
+        let v = if first.is_some() && hand_off {
+            s.verdict().await.unwrap()
+        } else {
+            let root = *committed.last().unwrap();
+            s.verify(TokenTree::chain(&[root])).await.unwrap()
+        };
         committed.extend(&v.tokens);
-        first.get_or_insert(
-            v.features
-                .expect("a feature session's verdict without features"),
-        );
         if v.finish.is_some() {
             break;
+        }
+        if first.is_none() {
+            first = Some(
+                v.features
+                    .expect("a feature session's verdict without features"),
+            );
+            if hand_off {
+                s.generate(ServerDrafting::Plain).await.unwrap();
+            }
         }
     }
     s.close().await.unwrap();
@@ -145,12 +157,13 @@ async fn a_feature_session_reuses_a_prefix_and_sends_the_features_the_first_kept
     });
     let (_, tok) = smollm2();
     let first_turn = chat_ids("What is the capital of France?");
-    let (committed, _) = feature_session(&remote, &first_turn, 16).await;
+    // The first turn hands off after its first round: its entry still keeps the features.
+    let (committed, _) = feature_session(&remote, &first_turn, 16, true).await;
     // The next turn's prompt extends everything the first committed.
     let mut next_turn = committed.clone();
     next_turn.extend(tok.encode("\nAnd of Italy?").unwrap());
-    let (_, reused_rows) = feature_session(&remote, &next_turn, 4).await;
-    let (_, fresh_rows) = feature_session(&plain_remote, &next_turn, 4).await;
+    let (_, reused_rows) = feature_session(&remote, &next_turn, 4, false).await;
+    let (_, fresh_rows) = feature_session(&plain_remote, &next_turn, 4, false).await;
     let m = cached.metrics();
     let reused = m
         .prefix_tokens_reused
