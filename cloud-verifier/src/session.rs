@@ -92,13 +92,11 @@ pub struct Session<M: TreeModel = Llama> {
     features: Option<SessionFeatures>,
 }
 
-/// The LLM's features of a session's consecutive committed positions `first..`: the rows not
-/// yet sent (from `unsent` on), and before them the last [`PROMPT_FEATURE_ROWS`] sent, which a
-/// later session reusing this one's K/V as its prompt's prefix sends in place of prefilling.
+/// The LLM's features a session gathers: the rows not yet sent (from `unsent` on), and before
+/// them at least the last [`PROMPT_FEATURE_ROWS`] sent, which a later session reusing this
+/// one's K/V as its prompt's prefix sends in place of prefilling.
 struct SessionFeatures {
-    dim: usize,
-    first: usize,
-    rows: Vec<f32>,
+    held: PrefixFeatures,
     unsent: usize,
     /// Gathered for the prefix cache, no longer sent (the verifier decodes the rest itself).
     muted: bool,
@@ -108,28 +106,21 @@ impl SessionFeatures {
     /// Starting at position `reused` (the first to prefill), after `cached`'s rows of the
     /// positions before it, if any.
     fn new(dim: usize, reused: usize, cached: Option<PrefixFeatures>) -> Self {
-        let mut f = match cached.map(|c| c.before(reused)) {
-            Some(c) if c.dim == dim && c.end() == reused => SessionFeatures {
-                dim,
-                first: c.first,
-                unsent: c.first,
-                rows: c.rows,
-                muted: false,
-            },
-            _ => SessionFeatures {
-                dim,
-                first: reused,
-                unsent: reused,
-                rows: Vec::new(),
-                muted: false,
-            },
+        let held = cached
+            .filter(|c| c.dim == dim)
+            .map(|mut c| {
+                c.truncate(reused);
+                c
+            })
+            .filter(|c| c.end() == reused)
+            .unwrap_or_else(|| PrefixFeatures::empty(dim, reused));
+        let mut f = SessionFeatures {
+            unsent: held.first,
+            held,
+            muted: false,
         };
         f.keep_last(PROMPT_FEATURE_ROWS);
         f
-    }
-
-    fn end(&self) -> usize {
-        self.first + self.rows.len() / self.dim
     }
 
     /// Appends the features of `nodes` of a forward's output, the positions that follow the
@@ -137,7 +128,7 @@ impl SessionFeatures {
     fn push(&mut self, logits: &specinfer_model::Logits, nodes: impl Iterator<Item = usize>) {
         for n in nodes {
             if let Some(f) = logits.feature(n) {
-                self.rows.extend_from_slice(f);
+                self.held.rows.extend_from_slice(f);
             }
         }
     }
@@ -145,26 +136,28 @@ impl SessionFeatures {
     /// Keeps only the last `rows` positions (a long prompt's features beyond what a drafter
     /// reads are never sent).
     fn keep_last(&mut self, rows: usize) {
-        let held = self.rows.len() / self.dim;
-        if held > rows {
-            self.rows.drain(..(held - rows) * self.dim);
-            self.first += held - rows;
-            self.unsent = self.unsent.max(self.first);
-        }
+        self.held.keep_last(rows);
+        self.unsent = self.unsent.max(self.held.first);
     }
 
     /// The rows not yet sent, as the wire carries them; none once muted.
     fn take(&mut self) -> Option<FeatureRows> {
-        let from = (self.unsent - self.first) * self.dim;
-        let rows = (!self.muted)
-            .then(|| FeatureRows::quantize(self.unsent as u32, self.dim, &self.rows[from..]));
-        self.unsent = self.end();
-        self.keep_last(PROMPT_FEATURE_ROWS);
+        let h = &self.held;
+        let rows = (!self.muted).then(|| {
+            let from = (self.unsent - h.first) * h.dim;
+            FeatureRows::quantize(self.unsent as u32, h.dim, &h.rows[from..])
+        });
+        self.unsent = h.end();
+        // Trimmed once twice the kept rows are held, not every round: each trim moves them all.
+        if h.rows.len() >= 2 * PROMPT_FEATURE_ROWS * h.dim {
+            self.keep_last(PROMPT_FEATURE_ROWS);
+        }
         rows
     }
 }
 
-/// The LLM's features a prefix-cache entry keeps beside its K/V: of positions `first..`, in f32.
+/// The LLM's features of consecutive positions `first..` (f32, `dim` wide): what a session
+/// holds, and what a prefix-cache entry keeps beside its K/V.
 pub struct PrefixFeatures {
     first: usize,
     dim: usize,
@@ -172,17 +165,43 @@ pub struct PrefixFeatures {
 }
 
 impl PrefixFeatures {
+    fn empty(dim: usize, first: usize) -> Self {
+        PrefixFeatures {
+            first,
+            dim,
+            rows: Vec::new(),
+        }
+    }
+
     fn end(&self) -> usize {
         self.first + self.rows.len() / self.dim.max(1)
     }
 
+    /// How many floats hold the positions before `len`.
+    fn floats_before(&self, len: usize) -> usize {
+        (len.clamp(self.first, self.end()) - self.first) * self.dim
+    }
+
+    /// Drops the positions from `len` on.
+    fn truncate(&mut self, len: usize) {
+        self.rows.truncate(self.floats_before(len));
+    }
+
+    /// Keeps only the last `rows` positions.
+    fn keep_last(&mut self, rows: usize) {
+        let held = self.rows.len() / self.dim.max(1);
+        if held > rows {
+            self.rows.drain(..(held - rows) * self.dim);
+            self.first += held - rows;
+        }
+    }
+
     /// Those of the positions before `len`.
     pub fn before(&self, len: usize) -> PrefixFeatures {
-        let keep = len.clamp(self.first, self.end()) - self.first;
         PrefixFeatures {
             first: self.first,
             dim: self.dim,
-            rows: self.rows[..keep * self.dim].to_vec(),
+            rows: self.rows[..self.floats_before(len)].to_vec(),
         }
     }
 
@@ -317,12 +336,10 @@ impl<M: TreeModel> Session<M> {
         let mut tokens = self.tokens;
         tokens.truncate(M::committed(&self.cache));
         let features = self.features.map(|f| {
-            PrefixFeatures {
-                first: f.first,
-                dim: f.dim,
-                rows: f.rows,
-            }
-            .before(tokens.len())
+            let mut held = f.held;
+            held.truncate(tokens.len());
+            held.keep_last(PROMPT_FEATURE_ROWS);
+            held
         });
         (tokens, self.cache, features)
     }

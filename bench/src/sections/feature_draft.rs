@@ -18,7 +18,7 @@ use specinfer_train::feature::{self, FeaturePrecision};
 use specinfer_train::{eval, teacher};
 use specinfer_wire::VerifyMode;
 
-use crate::common::{params, Ctx, Section};
+use crate::common::{params, Ctx, Run, Section};
 use crate::verifier_process::{pin_this_process, VerifierOptions, VerifierProcess};
 
 /// The sampled rows' temperature (the terminal chat's default).
@@ -139,11 +139,9 @@ pub fn run(
 /// What one tree shape and drafter did over QUIC, summed over the prompts.
 #[derive(Default)]
 struct QuicRun {
-    tokens: usize,
-    rounds: usize,
+    run: Run,
     tree_nodes: usize,
     draft_s: f64,
-    wall_s: f64,
     bytes_up: usize,
     bytes_down: usize,
     /// Answers token-identical to the verifier's own decoding (server-only).
@@ -151,18 +149,34 @@ struct QuicRun {
 }
 
 impl QuicRun {
+    fn add(&mut self, g: &specinfer_edge::Generation, reference: &[u32]) {
+        self.run.tokens += g.token_ids.len();
+        self.run.rounds += g.stats.rounds;
+        self.run.seconds += g.wall.as_secs_f64();
+        self.run.verifier_seconds += g.stats.verifier_forward_s;
+        self.tree_nodes += g.stats.tree_nodes;
+        self.draft_s += g.stats.draft_s;
+        self.bytes_up += g.bytes_up;
+        self.bytes_down += g.bytes_down;
+        self.identical += usize::from(g.token_ids == reference);
+    }
+
+    fn per_round(&self, x: usize) -> f64 {
+        x as f64 / self.run.rounds.max(1) as f64
+    }
+
+    fn draft_us_per_node(&self) -> f64 {
+        self.draft_s / self.tree_nodes.max(1) as f64 * 1e6
+    }
+
     fn to_json(&self) -> Value {
-        let rounds = self.rounds.max(1) as f64;
-        json!({
-            "tokens": self.tokens, "rounds": self.rounds,
-            "tau": self.tokens as f64 / rounds,
-            "tokens_per_s": self.tokens as f64 / self.wall_s.max(1e-9),
-            "draft_us_per_node": self.draft_s / self.tree_nodes.max(1) as f64 * 1e6,
-            "nodes_per_round": self.tree_nodes as f64 / rounds,
-            "bytes_up_per_round": self.bytes_up as f64 / rounds,
-            "bytes_down_per_round": self.bytes_down as f64 / rounds,
-            "identical_to_server_only": self.identical,
-        })
+        let mut v = self.run.to_json();
+        v["draft_us_per_node"] = self.draft_us_per_node().into();
+        v["nodes_per_round"] = self.per_round(self.tree_nodes).into();
+        v["bytes_up_per_round"] = self.per_round(self.bytes_up).into();
+        v["bytes_down_per_round"] = self.per_round(self.bytes_down).into();
+        v["identical_to_server_only"] = self.identical.into();
+        v
     }
 }
 
@@ -235,15 +249,14 @@ impl QuicTable {
             TreeShape::clients_default()
         );
         let row = |name: &str, client: &str, r: &QuicRun| {
-            let v = r.to_json();
             format!(
                 "| {name} | {client} | {:.1} | {:.2} | {:.1} | {:.0} | {:.0} | {:.0} | {}/{} |\n",
-                v["tokens_per_s"].as_f64().unwrap_or(0.0),
-                v["tau"].as_f64().unwrap_or(0.0),
-                v["nodes_per_round"].as_f64().unwrap_or(0.0),
-                v["draft_us_per_node"].as_f64().unwrap_or(0.0),
-                v["bytes_up_per_round"].as_f64().unwrap_or(0.0),
-                v["bytes_down_per_round"].as_f64().unwrap_or(0.0),
+                r.run.tokens_per_s(),
+                r.run.tau(),
+                r.per_round(r.tree_nodes),
+                r.draft_us_per_node(),
+                r.per_round(r.bytes_up),
+                r.per_round(r.bytes_down),
                 r.identical,
                 self.prompts
             )
@@ -305,10 +318,10 @@ fn over_quic<'d>(
             let mut server = RoundDriver::new(ids.clone(), p.clone(), None)?;
             server.start_server_decoding()?;
             let reference = client.generate(&mut server, |_| {}).await?;
-            add(&mut table.server_only, &reference, &reference.token_ids);
+            table.server_only.add(&reference, &reference.token_ids);
             let mut plain = RoundDriver::new(ids.clone(), p.clone(), None)?;
             let g = client.generate(&mut plain, |_| {}).await?;
-            add(&mut table.incremental, &g, &reference.token_ids);
+            table.incremental.add(&g, &reference.token_ids);
             for (which, runs) in table.drafted.iter_mut().enumerate() {
                 for (c, run) in configs.iter().zip(runs.iter_mut()) {
                     let drafter = Drafter {
@@ -319,7 +332,7 @@ fn over_quic<'d>(
                         .with_lookup(c.lookup)
                         .with_hand_off(c.hand_off);
                     let g = client.generate(&mut driver, |_| {}).await?;
-                    add(run, &g, &reference.token_ids);
+                    run.add(&g, &reference.token_ids);
                 }
             }
             eprintln!("      prompt {}/{} over QUIC", i + 1, ctx.prompts.len());
@@ -332,15 +345,4 @@ fn over_quic<'d>(
     }
     drop(verifier);
     result
-}
-
-fn add(run: &mut QuicRun, g: &specinfer_edge::Generation, reference: &[u32]) {
-    run.tokens += g.token_ids.len();
-    run.rounds += g.stats.rounds;
-    run.tree_nodes += g.stats.tree_nodes;
-    run.draft_s += g.stats.draft_s;
-    run.wall_s += g.wall.as_secs_f64();
-    run.bytes_up += g.bytes_up;
-    run.bytes_down += g.bytes_down;
-    run.identical += usize::from(g.token_ids == reference);
 }
