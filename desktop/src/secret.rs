@@ -123,7 +123,8 @@ mod tests {
 
     #[test]
     fn a_key_in_a_file_is_readable_only_by_its_owner_and_can_be_forgotten() {
-        let dir = crate::store::tests::scratch_dir("secret");
+        let scratch = crate::store::tests::scratch_dir("secret");
+        let dir = scratch.path();
         let file = dir.join("api-key");
         let store = ApiKeyStore::file_only(file.clone());
         assert_eq!(store.load(), None);

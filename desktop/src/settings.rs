@@ -175,7 +175,8 @@ mod tests {
 
     #[test]
     fn settings_survive_a_round_trip_and_missing_fields_take_defaults() {
-        let dir = crate::store::tests::scratch_dir("settings");
+        let scratch = crate::store::tests::scratch_dir("settings");
+        let dir = scratch.path();
         let path = dir.join("settings.json");
         assert_eq!(Settings::load(&path).unwrap(), Settings::default());
         let s = Settings {

@@ -200,21 +200,18 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 pub(crate) mod tests {
     use super::*;
 
-    /// An empty folder of its own under the system's temporary folder.
-    pub(crate) fn scratch_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "specinfer-desktop-{name}-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// An empty folder of its own under the system's temporary folder, removed when dropped.
+    pub(crate) fn scratch_dir(name: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("specinfer-desktop-{name}-"))
+            .tempdir()
+            .unwrap()
     }
 
     #[test]
     fn conversations_survive_reopening_and_a_corrupt_file_costs_only_itself() {
-        let dir = scratch_dir("store");
+        let scratch = scratch_dir("store");
+        let dir = scratch.path().to_path_buf();
         let store = Store::open(dir.clone()).unwrap();
         let mut first = store.create();
         first.messages.push(Message::user("hello"));

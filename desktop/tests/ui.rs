@@ -17,11 +17,12 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("desktop-{name}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// An app data folder of the test's own, removed when dropped.
+fn scratch(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("desktop-{name}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
 }
 
 /// Greedy settings with the shipped SSM (by its absolute path: tests run in the crate folder).
@@ -108,6 +109,7 @@ fn cli_answer(question: &str, max_tokens: u32) -> String {
 #[test]
 fn an_answer_streams_in_equals_the_cli_can_be_stopped_and_survives_a_restart() {
     let data = scratch("chat");
+    let data = data.path();
     greedy(48).save(&data.join("settings.json")).unwrap();
     let mut harness = open(&data);
     wait_ready(&mut harness);
@@ -225,6 +227,7 @@ fn a_wrong_pin_is_shown_in_words_with_retry() {
     wrong[0] ^= 0xff;
     let wrong_hex: String = wrong.iter().map(|b| format!("{b:02x}")).collect();
     let data = scratch("pin");
+    let data = data.path();
     Settings {
         verifier: VerifierSetting::Remote {
             servers: remote.addr.to_string(),

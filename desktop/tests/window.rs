@@ -201,9 +201,15 @@ fn saved_answer(conversations: &Path) -> Option<String> {
 
 #[test]
 fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
-    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let data = tmp.join("desktop-window");
-    let _ = std::fs::remove_dir_all(&data);
+    // The app's data and the logs in a folder of this run's own (removed at the end; a failure
+    // prints the logs); the screenshot where a reviewer finds it.
+    let target_tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let run = tempfile::Builder::new()
+        .prefix("desktop-window-")
+        .tempdir_in(&target_tmp)
+        .unwrap();
+    let tmp = run.path();
+    let data = tmp.join("data");
     std::fs::create_dir_all(&data).unwrap();
     Settings {
         greedy: true,
@@ -270,7 +276,7 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
     // Let the window paint the finished answer and its figures.
     std::thread::sleep(Duration::from_secs(2));
 
-    let shot = tmp.join("desktop.png");
+    let shot = target_tmp.join("desktop.png");
     let _ = std::fs::remove_file(&shot);
     let status = Command::new("import")
         .args(["-display", &display, "-window", &window])

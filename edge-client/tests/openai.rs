@@ -36,13 +36,14 @@ fn curl(args: &[&str]) -> (u16, String) {
 #[test]
 fn chat_completions_stream_as_server_sent_events() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let log = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-openai-{port}.log"));
+    // The server binds a port the system picks and says which: a port picked here and freed
+    // before the server binds it could be taken by another test in between.
+    let log_file = tempfile::Builder::new()
+        .prefix("serve-openai-")
+        .suffix(".log")
+        .tempfile_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap();
+    let log = log_file.path().to_path_buf();
     let _server = Server(
         Command::new(env!("CARGO_BIN_EXE_specinfer"))
             .args([
@@ -52,25 +53,29 @@ fn chat_completions_stream_as_server_sent_events() {
                 "--tree",
                 "2,1",
                 "--listen",
-                &addr,
+                "127.0.0.1:0",
                 "--allowed-origin",
                 "http://app.example",
             ])
             .current_dir(&root)
             .env("SPECINFER_LOG", "specinfer=info")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
+            .stderr(log_file.reopen().unwrap())
             .spawn()
             .unwrap(),
     );
     let start = Instant::now();
-    while std::net::TcpStream::connect(&addr).is_err() {
+    let addr = loop {
+        let said = std::fs::read_to_string(&log).unwrap();
+        if let Some(at) = said.split("OpenAI-compatible API on http://").nth(1) {
+            break at.split('/').next().unwrap().to_string();
+        }
         assert!(
             start.elapsed() < Duration::from_secs(300),
-            "serve-openai did not come up"
+            "serve-openai did not come up: {said}"
         );
         std::thread::sleep(Duration::from_millis(200));
-    }
+    };
     let url = |p: &str| format!("http://{addr}{p}");
 
     let (code, models) = curl(&[&url("/v1/models")]);

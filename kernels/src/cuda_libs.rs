@@ -360,9 +360,8 @@ mod tests {
 
     #[test]
     fn libraries_are_found_by_their_names_and_their_links_targets() {
-        let dir = std::env::temp_dir().join(format!("specinfer-libs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         std::fs::write(dir.join("libnvrtc.so.13.0.48"), b"").unwrap();
         std::os::unix::fs::symlink("libnvrtc.so.13.0.48", dir.join("libnvrtc.so.13")).unwrap();
         std::fs::write(dir.join("libnvrtc-builtins.so.13.0"), b"").unwrap();
@@ -383,6 +382,5 @@ mod tests {
         // The C library this test links is in the process's map; nothing named so is not.
         assert!(loaded_library("libc").is_some());
         assert!(loaded_library("libspecinfer-none").is_none());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -77,6 +77,7 @@ fn report_reference_error(
         .join()
         .unwrap();
     std::env::remove_var("SPECINFER_MATMUL");
+    std::env::remove_var("CANDLE_DEQUANTIZE_ALL");
     let (mut err, mut range, mut argmax_same) = (0f32, 0f32, 0);
     for i in 0..prompt.len() {
         let (a, b) = (ours.node(i), reference.node(i));

@@ -9,10 +9,9 @@ fn cfg() -> ModelConfig {
     ModelConfig::tiny(Arch::Qwen2)
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("specinfer-load-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A private folder, removed when dropped.
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
 }
 
 fn logits(m: &Llama) -> Vec<f32> {
@@ -27,7 +26,8 @@ fn logits(m: &Llama) -> Vec<f32> {
 
 #[test]
 fn safetensors_bf16_checkpoint_loads_and_matches() {
-    let dir = tmp("st");
+    let dir = tmp();
+    let dir = dir.path();
     let weights = Llama::random_weights(&cfg(), 7);
     // Store in bf16, as Hugging Face checkpoints usually are; the reference gets the same rounding.
     let bf16: std::collections::HashMap<String, Tensor> = weights
@@ -71,7 +71,8 @@ fn max_diff_to_f32_weights(m: &Llama) -> f32 {
 
 #[test]
 fn u8_embedding_rows_round_within_half_a_step_and_load() {
-    let dir = tmp("u8");
+    let dir = tmp();
+    let dir = dir.path();
     let mut weights = Llama::random_weights(&cfg(), 7);
     let name = "model.embed_tokens.weight";
     let embed = weights.remove(name).unwrap();
@@ -138,7 +139,8 @@ fn write_gguf(path: &std::path::Path, arch: &str) {
 
 #[test]
 fn unsupported_architecture_and_truncation_are_clear_errors() {
-    let dir = tmp("gguf");
+    let dir = tmp();
+    let dir = dir.path();
     let path = dir.join("m.gguf");
     write_gguf(&path, "gpt2");
     match Llama::from_gguf(&path) {

@@ -55,15 +55,13 @@ fn tokenizer_matches_the_gguf_reference() {
 #[test]
 fn exported_tokenizer_json_loads_and_agrees() {
     let (_, tok) = smollm2();
-    let dir = std::env::temp_dir().join(format!("specinfer-tok-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tokenizer.json");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
     tok.save(&path).unwrap();
     let back = Tokenizer::from_file(&path, tok.bos(), tok.eos().to_vec()).unwrap();
     let text = "<|im_start|>user\nCount 1 2 3, café 東京 🚀<|im_end|>\n";
     assert_eq!(back.encode(text).unwrap(), tok.encode(text).unwrap());
     assert_eq!(back.sha256(), tok.sha256());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Every node's logits from one tree forward equal those of decoding its path token by token.

@@ -192,11 +192,8 @@ async fn run_page(
     screenshot: Option<&Path>,
     reported: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
 ) -> serde_json::Value {
-    let profile = std::env::temp_dir().join(format!(
-        "specinfer-chromium-{}-{}",
-        std::process::id(),
-        screenshot.is_some()
-    ));
+    // A fresh profile of its own: Chromium refuses a profile another instance holds.
+    let profile = tempfile::tempdir().unwrap();
     let mut cmd = tokio::process::Command::new(browser);
     cmd.args([
         "--headless",
@@ -209,7 +206,7 @@ async fn run_page(
         "--hide-scrollbars",
         "--window-size=900,640",
     ])
-    .arg(format!("--user-data-dir={}", profile.display()))
+    .arg(format!("--user-data-dir={}", profile.path().display()))
     .stdout(std::process::Stdio::null())
     .stderr(std::process::Stdio::null())
     .kill_on_drop(true);
@@ -226,6 +223,6 @@ async fn run_page(
         let _ = tokio::time::timeout(Duration::from_secs(60), chrome.wait()).await;
     }
     let _ = chrome.kill().await;
-    let _ = std::fs::remove_dir_all(&profile);
+    drop(profile);
     serde_json::from_str(&report).expect("a JSON report")
 }

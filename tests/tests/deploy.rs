@@ -47,10 +47,9 @@ fn manifests_pass_the_kubernetes_schemas() {
     }
     // The validator can fail: a field of the wrong type is refused.
     let text = std::fs::read_to_string(&manifest).unwrap();
-    let broken = std::env::temp_dir().join(format!("specinfer-broken-{}.yaml", std::process::id()));
-    std::fs::write(&broken, text.replace("replicas: 3", "replicas: three")).unwrap();
-    let out = validate(&broken).unwrap();
-    let _ = std::fs::remove_file(&broken);
+    let broken = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    std::fs::write(broken.path(), text.replace("replicas: 3", "replicas: three")).unwrap();
+    let out = validate(broken.path()).unwrap();
     assert!(!out.status.success(), "a broken manifest passed");
 }
 

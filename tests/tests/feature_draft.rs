@@ -27,11 +27,11 @@ async fn feature_drafted_greedy_output_over_quic_equals_incremental() {
     let drafter = shipped_drafter();
     let lib = fetch::ensure(&fetch::ONNXRUNTIME, &cache_dir()).expect("fetching ONNX Runtime");
     specinfer_onnx::init_runtime(&lib).expect("loading ONNX Runtime");
-    let onnx_file =
-        std::env::temp_dir().join(format!("specinfer-feature-{}.onnx", std::process::id()));
+    let export_dir = tempfile::tempdir().unwrap();
+    let onnx_file = export_dir.path().join("feature-draft.onnx");
     drafter.export_onnx(&onnx_file, &[]).unwrap();
     let onnx = OnnxFeatureModel::load(&onnx_file, 1).unwrap();
-    std::fs::remove_file(&onnx_file).unwrap();
+    drop(export_dir);
     let mut client = Client::connect(remote.clone()).await.unwrap();
     // Per drafter (the feature drafter in candle and in ONNX Runtime, the default SSM): tokens,
     // rounds, tree nodes, drafting seconds, bytes up, bytes down; printed side by side, what a

@@ -30,8 +30,21 @@ const ADMIN_PORT: u16 = 9464;
 /// The clients' QUIC idle timeout: how soon they notice a dead or cut-off verifier.
 const IDLE: Duration = Duration::from_secs(3);
 
-/// The fleet tests take turns: each starts three verifiers on a 2-core machine.
-static TURN: Mutex<()> = Mutex::new(());
+/// The fleet tests take turns, across every process on this machine (two test runs at once
+/// included): each starts three verifiers on a 2-core machine, in namespaces and on subnets
+/// whose names are the same for every fleet. An advisory lock on one file; the kernel drops
+/// it when the holder exits, however it exits.
+fn take_turn() -> std::fs::File {
+    let path = std::env::temp_dir().join("specinfer-fleet-tests.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    file.lock().unwrap();
+    file
+}
 
 /// One client's request: greedy for even jobs, seeded sampling for odd ones.
 #[derive(Clone)]
@@ -119,11 +132,13 @@ struct Namespace {
 }
 
 impl Namespace {
-    fn create(tag: u32, i: usize) -> Namespace {
-        let name = format!("specinfer-fleet-{tag}-{i}");
-        let host_if = format!("sf{tag}h{i}");
-        let peer_if = format!("sf{tag}p{i}");
-        let subnet = format!("10.{}.{i}", 100 + tag % 100);
+    /// Namespace `i` of the fleet: fixed names and subnets, which [`take_turn`] keeps to one
+    /// fleet at a time; what a killed run left behind is removed first.
+    fn create(i: usize) -> Namespace {
+        let name = format!("specinfer-fleet-{i}");
+        let host_if = format!("sfleet{i}h");
+        let peer_if = format!("sfleet{i}p");
+        let subnet = format!("10.231.{i}");
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         let _ = Command::new("ip").args(["link", "del", &host_if]).output();
         sh(&["ip", "netns", "add", &name]);
@@ -188,7 +203,8 @@ impl Drop for Namespace {
 struct Fleet {
     namespaces: Vec<Namespace>,
     verifiers: Vec<Option<Child>>,
-    dir: PathBuf,
+    /// The certificate, key and API key files, private to this fleet.
+    dir: tempfile::TempDir,
     llm: PathBuf,
     pin: String,
 }
@@ -206,18 +222,17 @@ impl Fleet {
             );
             return None;
         }
-        let tag = std::process::id() % 10_000;
-        let dir = std::env::temp_dir().join(format!("specinfer-fleet-{tag}"));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str| dir.path().join(name);
         let (cert, key) = ServerIdentity::self_signed_pem(&["verifier.test"]).unwrap();
-        std::fs::write(dir.join("cert.pem"), cert).unwrap();
-        std::fs::write(dir.join("key.pem"), key).unwrap();
-        std::fs::write(dir.join("keys.txt"), format!("{API_KEY}\n")).unwrap();
-        let pin = ServerIdentity::from_pem(&dir.join("cert.pem"), &dir.join("key.pem"))
+        std::fs::write(file("cert.pem"), cert).unwrap();
+        std::fs::write(file("key.pem"), key).unwrap();
+        std::fs::write(file("keys.txt"), format!("{API_KEY}\n")).unwrap();
+        let pin = ServerIdentity::from_pem(&file("cert.pem"), &file("key.pem"))
             .unwrap()
             .fingerprint();
         let llm = fetch::ensure(&fetch::SMOLLM2_135M, &cache_dir()).unwrap();
-        let namespaces: Vec<Namespace> = (0..3).map(|i| Namespace::create(tag, i)).collect();
+        let namespaces: Vec<Namespace> = (0..3).map(Namespace::create).collect();
         let mut fleet = Fleet {
             verifiers: (0..3).map(|_| None).collect(),
             namespaces,
@@ -241,7 +256,7 @@ impl Fleet {
 
     /// Starts verifier `i` in its namespace and waits until it listens.
     fn spawn(&mut self, i: usize) {
-        let file = |name: &str| self.dir.join(name).display().to_string();
+        let file = |name: &str| self.dir.path().join(name).display().to_string();
         let mut child = Command::new("ip")
             .args(["netns", "exec", &self.namespaces[i].name])
             .arg(verifier_exe())
@@ -321,7 +336,6 @@ impl Drop for Fleet {
             let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -447,7 +461,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn a_verifier_killed_mid_answer_costs_no_answer_anything() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = take_turn();
     let Some(mut fleet) = Fleet::start() else {
         return;
     };
@@ -468,7 +482,7 @@ fn a_verifier_killed_mid_answer_costs_no_answer_anything() {
 
 #[test]
 fn a_rolling_restart_moves_every_session_without_an_error() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = take_turn();
     let Some(mut fleet) = Fleet::start() else {
         return;
     };
@@ -486,7 +500,7 @@ fn a_rolling_restart_moves_every_session_without_an_error() {
 
 #[test]
 fn a_cut_link_is_noticed_within_the_idle_timeout_and_sessions_finish_elsewhere() {
-    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = take_turn();
     let Some(mut fleet) = Fleet::start() else {
         return;
     };

@@ -21,13 +21,16 @@ fn runtime() {
     });
 }
 
-fn export_path(name: &str) -> PathBuf {
+/// A private folder for an export named `name` (removed when dropped), and the file's path in it.
+fn export_path(name: &str) -> (tempfile::TempDir, PathBuf) {
     runtime();
-    std::env::temp_dir().join(format!("specinfer-test-{}-{name}.onnx", std::process::id()))
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{name}.onnx"));
+    (dir, path)
 }
 
 fn export(model: &Llama, name: &str) -> OnnxModel {
-    let path = export_path(name);
+    let (_dir, path) = export_path(name);
     model
         .export_onnx(&path, &[("specinfer.tokenizer_sha256", "00")])
         .unwrap();
@@ -36,13 +39,12 @@ fn export(model: &Llama, name: &str) -> OnnxModel {
         OnnxFeatureModel::load(&path, 1).is_err(),
         "an SSM's export loaded as a feature drafter's"
     );
-    std::fs::remove_file(&path).unwrap();
     assert_eq!(onnx.tokenizer_sha256(), Some("00"));
     onnx
 }
 
 fn export_feature(model: &FeatureDrafter, name: &str) -> OnnxFeatureModel {
-    let path = export_path(name);
+    let (_dir, path) = export_path(name);
     model
         .export_onnx(&path, &[("specinfer.tokenizer_sha256", "00")])
         .unwrap();
@@ -51,7 +53,6 @@ fn export_feature(model: &FeatureDrafter, name: &str) -> OnnxFeatureModel {
         OnnxModel::load(&path, 1).is_err(),
         "a feature drafter's export loaded as an SSM's"
     );
-    std::fs::remove_file(&path).unwrap();
     assert_eq!(onnx.tokenizer_sha256(), Some("00"));
     onnx
 }

@@ -210,17 +210,17 @@ pub fn generate(
 mod tests {
     #[test]
     fn a_partly_written_last_answer_is_dropped_and_whole_ones_kept() {
-        let path = std::env::temp_dir().join(format!("specinfer-teacher-{}", std::process::id()));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let path = file.path();
         for (written, kept) in [
             ("{\"a\":1}\n{\"a\":2}\n{\"a\"", "{\"a\":1}\n{\"a\":2}\n"),
             ("{\"a\":1}\n", "{\"a\":1}\n"),
             ("{\"a", ""),
             ("", ""),
         ] {
-            std::fs::write(&path, written).unwrap();
-            super::drop_partial_last_line(&path).unwrap();
-            assert_eq!(std::fs::read_to_string(&path).unwrap(), kept);
+            std::fs::write(path, written).unwrap();
+            super::drop_partial_last_line(path).unwrap();
+            assert_eq!(std::fs::read_to_string(path).unwrap(), kept);
         }
-        std::fs::remove_file(&path).unwrap();
     }
 }

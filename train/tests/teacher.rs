@@ -15,8 +15,8 @@ fn sampled_teacher_answers_differ_from_greedy_and_resume_identically() {
     ]
     .map(String::from)
     .to_vec();
-    let dir = std::env::temp_dir().join(format!("specinfer-teacher-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
     let file = |name: &str| {
         let f = dir.join(name);
         let _ = std::fs::remove_file(&f);
@@ -55,5 +55,4 @@ fn sampled_teacher_answers_differ_from_greedy_and_resume_identically() {
             "soft targets for every sampled token"
         );
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }

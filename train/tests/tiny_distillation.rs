@@ -66,8 +66,8 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
         max_positions: 256,
     };
     let mut ssm = Ssm::init(cfg, head, teacher.token_embeddings(), 64, 3).unwrap();
-    let dir = std::env::temp_dir().join(format!("specinfer-train-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
     let tc = TrainConfig {
         steps: 150,
         batch: 8,
@@ -218,5 +218,4 @@ fn tiny_distillation_reduces_the_loss_and_exports_faithfully() {
         worst < 0.05,
         "exported model disagrees with the training graph: {worst}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -29,10 +29,8 @@ fn llm_and_page_files() -> (specinfer_model::Llama, Tokenizer, String, String) {
         .map(PathBuf::from)
         .unwrap_or_else(|| repo().join(".cache/specinfer"));
     let (llm, tok) = load_gguf(&fetch::ensure(&fetch::SMOLLM2_135M, &cache).unwrap()).unwrap();
-    let tok_file = std::env::temp_dir().join(format!("specinfer-wasm-{}.json", std::process::id()));
-    tok.save(&tok_file).unwrap();
-    let tokenizer_json = std::fs::read_to_string(&tok_file).unwrap();
-    std::fs::remove_file(&tok_file).unwrap();
+    // Serialised in memory: a file of a fixed name was shared by the tests running at once.
+    let tokenizer_json = tok.to_json().unwrap();
     let chat_json =
         serde_json::json!({"bos": tok.bos(), "eos": tok.eos(), "system": tok.default_system()})
             .to_string();
@@ -50,6 +48,24 @@ fn client_with(name: &str, tokenizer_json: &str, chat_json: &str, tree: &str) ->
         tree,
     )
     .unwrap()
+}
+
+/// The page's files come from several tests at once: each gets the whole tokenizer, which
+/// loads in a client and agrees with the LLM's (a file shared between calls once gave one
+/// test an empty or deleted file).
+#[test]
+fn page_files_are_built_by_several_tests_at_once() {
+    let calls: Vec<_> = (0..4)
+        .map(|_| std::thread::spawn(llm_and_page_files))
+        .collect();
+    for call in calls {
+        let (_, tok, tokenizer_json, chat_json) = call.join().unwrap();
+        let back = Tokenizer::from_json(&tokenizer_json, tok.bos(), tok.eos().to_vec(), None).unwrap();
+        assert_eq!(back.sha256(), tok.sha256());
+        let text = "Name two oceans.";
+        assert_eq!(back.encode(text).unwrap(), tok.encode(text).unwrap());
+        client_with("ssm", &tokenizer_json, &chat_json, "1,1,3,1");
+    }
 }
 
 #[test]

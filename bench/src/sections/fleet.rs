@@ -54,18 +54,18 @@ const TURNS: [&str; 10] = [
 struct Fleet {
     verifiers: Vec<VerifierProcess>,
     addrs: Vec<SocketAddr>,
-    dir: PathBuf,
+    /// The verifiers' certificate and key, private to this fleet (two fleets alive at once must not
+    /// share or delete each other's files).
+    dir: tempfile::TempDir,
     llm: PathBuf,
 }
 
 impl Fleet {
     fn start(llm: &Path, n: usize, extra: &[&str]) -> Result<Fleet> {
-        let dir =
-            std::env::temp_dir().join(format!("specinfer-bench-fleet-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
+        let dir = tempfile::tempdir()?;
         let (cert, key) = ServerIdentity::self_signed_pem(&["localhost"])?;
-        std::fs::write(dir.join("cert.pem"), cert)?;
-        std::fs::write(dir.join("key.pem"), key)?;
+        std::fs::write(dir.path().join("cert.pem"), cert)?;
+        std::fs::write(dir.path().join("key.pem"), key)?;
         let mut fleet = Fleet {
             verifiers: Vec::new(),
             addrs: Vec::new(),
@@ -81,7 +81,7 @@ impl Fleet {
     }
 
     fn spawn(&self, listen: SocketAddr, extra: &[&str]) -> Result<VerifierProcess> {
-        let (cert, key) = (self.dir.join("cert.pem"), self.dir.join("key.pem"));
+        let (cert, key) = (self.dir.path().join("cert.pem"), self.dir.path().join("key.pem"));
         VerifierProcess::start_with(&VerifierOptions {
             core: None,
             llm: &self.llm,
@@ -113,8 +113,8 @@ impl Fleet {
 
 impl Drop for Fleet {
     fn drop(&mut self) {
+        // The processes stop before their files go (the folder is removed after this).
         self.verifiers.clear();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

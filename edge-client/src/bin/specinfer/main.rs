@@ -255,8 +255,10 @@ fn main() -> Result<()> {
                 let listener = tokio::net::TcpListener::bind(listen)
                     .await
                     .with_context(|| format!("binding {listen}"))?;
+                // The bound address, so `--listen HOST:0` tells which port the system chose.
+                let bound = listener.local_addr().context("the listening address")?;
                 eprintln!(
-                    "specinfer: OpenAI-compatible API on http://{listen}/v1 (model {model_name:?}, {}-token context)",
+                    "specinfer: OpenAI-compatible API on http://{bound}/v1 (model {model_name:?}, {}-token context)",
                     generator.context_tokens
                 );
                 openai::serve(listener, generator, model_name, access).await;
