@@ -74,30 +74,43 @@ pub fn measure(
         let mut caches = vec![first; max_sequences];
         let mut out = Vec::new();
         for (sequences, nodes_each) in SHAPES {
-            // A bushy tree (node i under node i / 2), as a speculation tree is.
-            let mut tree = TokenTree::root(tokens[0]);
-            for i in 1..nodes_each as u32 {
-                tree.push(i / 2, tokens[i as usize % tokens.len()]);
-            }
-            let mut times = Vec::with_capacity(reps);
-            for _ in 0..reps.max(1) {
-                let mut seqs: Vec<SeqTree> = caches[..sequences]
-                    .iter_mut()
-                    .map(|c| SeqTree::new(c, &tree))
-                    .collect();
-                let t = Instant::now();
-                llm.forward(&mut seqs)?;
-                times.push(t.elapsed().as_secs_f64());
-            }
-            times.sort_by(f64::total_cmp);
+            let tree = bushy_tree(&tokens, nodes_each);
             out.push(ForwardCost {
                 sequences,
                 nodes_each,
-                seconds: times[times.len() / 2],
+                seconds: median_forward_seconds(llm, &mut caches[..sequences], &tree, reps)?,
             });
         }
         Ok(out)
     })
+}
+
+/// A bushy tree of `nodes` (node i under node i / 2), as a speculation tree is, of `tokens`.
+pub fn bushy_tree(tokens: &[u32], nodes: usize) -> TokenTree {
+    let mut tree = TokenTree::root(tokens[0]);
+    for i in 1..nodes as u32 {
+        tree.push(i / 2, tokens[i as usize % tokens.len()]);
+    }
+    tree
+}
+
+/// The median time of `reps` forwards of `tree` over each of `caches` in one batch (the tree
+/// goes to each cache's scratch region; the caches' committed tokens stay as they are).
+pub fn median_forward_seconds(
+    llm: &Llama,
+    caches: &mut [KvCache],
+    tree: &TokenTree,
+    reps: usize,
+) -> Result<f64> {
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let mut seqs: Vec<SeqTree> = caches.iter_mut().map(|c| SeqTree::new(c, tree)).collect();
+        let t = Instant::now();
+        llm.forward(&mut seqs)?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 /// Server-only's best: the most tokens per second of forwards of one node per session whose

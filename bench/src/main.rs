@@ -61,6 +61,14 @@ struct Args {
     /// API key for the remote verifier.
     #[arg(long, env = "SPECINFER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Internal: time our forward on this GGUF and print the curve as JSON (the engine
+    /// section's child process, whose kernels pick their x86 path from its environment).
+    #[arg(long, hide = true)]
+    engine_curve: Option<PathBuf>,
+    #[arg(long, hide = true, value_delimiter = ',', default_values_t = [128])]
+    engine_contexts: Vec<usize>,
+    #[arg(long, hide = true, default_value_t = 5)]
+    engine_reps: usize,
     /// The LLM/SSM pairs the capacity section loads (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [CapacityPair::Smollm2, CapacityPair::Qwen])]
     capacity_pairs: Vec<CapacityPair>,
@@ -103,6 +111,11 @@ enum SectionName {
     /// sampled, with and without the lookup), and over QUIC against a pinned verifier process
     /// tokens/s, drafting time per node and bytes per round each way.
     FeatureDraft,
+    /// The CPU engine beside llama.cpp in the same run: decode and tree forwards (1 to 64
+    /// nodes) of every shipped GGUF on the best x86 path and on AVX2, llama-bench on the same
+    /// files and threads, and the machine's read bandwidth and int8 peak with the limits they
+    /// set (`engine.md`; builds llama.cpp once, about 8 minutes).
+    Engine,
 }
 
 impl SectionName {
@@ -226,9 +239,15 @@ fn capacity(args: &Args, smollm2: &Ctx, smollm2_path: &std::path::Path) -> Resul
     sections::capacity::run(&workloads, &args.out)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    let t0 = Instant::now();
+/// What most sections share: SmolLM2, the SSM, the held-out prompts and their teacher answers.
+struct Loaded {
+    ctx: Ctx,
+    examples: Vec<teacher::Example>,
+    set_name: String,
+    llm_path: PathBuf,
+}
+
+fn load_shared(args: &Args) -> Result<Loaded> {
     // Fixed 8-level trees with a weak SSM run at a fraction of incremental speed, so even the
     // full profile keeps the prompt set small enough to finish in about 20 minutes on 2 cores.
     let (n_prompts, max_new) = if args.quick { (6, 48) } else { (16, 80) };
@@ -236,7 +255,6 @@ fn main() -> Result<()> {
     let (llm, tok) = load_gguf(&llm_path)?;
     let ssm = Llama::from_safetensors(&args.ssm)
         .with_context(|| format!("loading SSM {}", args.ssm.display()))?;
-    std::fs::create_dir_all(&args.out)?;
 
     let (heldout, set_name): (Vec<String>, String) = match &args.prompts {
         Some(file) => (jsonl_prompts(file, n_prompts)?, file.display().to_string()),
@@ -277,31 +295,61 @@ fn main() -> Result<()> {
         ssm: std::sync::Arc::new(ssm),
         max_new,
     };
+    Ok(Loaded {
+        ctx,
+        examples,
+        set_name,
+        llm_path,
+    })
+}
 
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(gguf) = &args.engine_curve {
+        return sections::engine::child(gguf, &args.engine_contexts, args.engine_reps);
+    }
+    let t0 = Instant::now();
+    std::fs::create_dir_all(&args.out)?;
     let mut network: Option<Network> = None;
+    let mut loaded: Option<Loaded> = None;
     let mut done: Vec<Section> = Vec::new();
     for &name in &args.sections {
         eprintln!("[{}]", name.file_stem());
+        if name == SectionName::Engine {
+            done.push(sections::engine::run(args.quick, &args.out)?);
+            continue;
+        }
+        if loaded.is_none() {
+            loaded = Some(load_shared(&args)?);
+        }
+        let Loaded {
+            ctx,
+            examples,
+            set_name,
+            llm_path,
+        } = loaded.as_ref().expect("loaded above");
+        let (ctx, examples, set_name, llm_path) = (ctx, examples.as_slice(), set_name.as_str(), llm_path.as_path());
         if matches!(name, SectionName::Rtt | SectionName::Concurrency) && network.is_none() {
-            network = Some(Network::new(&args, &ctx)?);
+            network = Some(Network::new(&args, ctx)?);
         }
         let net = || network.as_ref().context("the network sections' verifier");
         let section = match name {
-            SectionName::Alignment => sections::alignment::run(&ctx, &examples, &set_name)?,
-            SectionName::TreeWidth => sections::tree_width::run(&ctx, &args.out)?,
-            SectionName::Sampling => sections::stochastic::run(&ctx)?,
-            SectionName::TreeVsSequence => sections::tree_vs_sequence::run(&ctx)?,
-            SectionName::Rtt => sections::rtt::run(&ctx, net()?, args.quick, &args.out)?,
+            SectionName::Alignment => sections::alignment::run(ctx, examples, set_name)?,
+            SectionName::TreeWidth => sections::tree_width::run(ctx, &args.out)?,
+            SectionName::Sampling => sections::stochastic::run(ctx)?,
+            SectionName::TreeVsSequence => sections::tree_vs_sequence::run(ctx)?,
+            SectionName::Rtt => sections::rtt::run(ctx, net()?, args.quick, &args.out)?,
             SectionName::Concurrency => {
-                sections::concurrency::run(&ctx, net()?, args.quick, &args.out)?
+                sections::concurrency::run(ctx, net()?, args.quick, &args.out)?
             }
             SectionName::Qwen => sections::qwen::run(args.quick)?,
-            SectionName::Capacity => capacity(&args, &ctx, &llm_path)?,
-            SectionName::Fleet => sections::fleet::run(&ctx, &llm_path, &args.ssm, args.quick)?,
-            SectionName::Soak => sections::soak::run(&ctx, &llm_path, args.quick)?,
+            SectionName::Capacity => capacity(&args, ctx, llm_path)?,
+            SectionName::Fleet => sections::fleet::run(ctx, llm_path, &args.ssm, args.quick)?,
+            SectionName::Soak => sections::soak::run(ctx, llm_path, args.quick)?,
             SectionName::FeatureDraft => {
-                sections::feature_draft::run(&ctx, &examples, &args.feature_draft, &llm_path)?
+                sections::feature_draft::run(ctx, examples, &args.feature_draft, llm_path)?
             }
+            SectionName::Engine => unreachable!("run above"),
         };
         done.push(section);
     }

@@ -1,8 +1,12 @@
 //! Quantized matrix x multi-row activations, the projection kernel of the verifier.
 //!
 //! Every GGML format is repacked at load time into one form: per block of `E` weights (32, or 16
-//! for Q6_K) an f32 scale, an optional f32 min and unsigned integers `u` with a per-format zero
-//! point `z`, so that `w = scale * (u - z) + min` reproduces GGML's dequantization exactly.
+//! for Q6_K) a scale, an optional min and unsigned integers `u` with a per-format zero point `z`,
+//! so that `w = scale * (u - z) + min` reproduces GGML's dequantization exactly. Scales and mins
+//! are kept as GGML stores them, so the repacked matrix is no larger than the GGUF's: f16 for the
+//! 32-weight formats; for the K formats an f16 per super-block of 256 weights times a small
+//! integer per block, multiplied out in f32 in the kernel (exact: 11-bit by at most 8-bit
+//! mantissas), the same f32 value an f32 copy of the product would hold.
 //!
 //! Numeric contract (as llama.cpp's): activations are quantized to 8 bits per block of 32 values
 //! (`da = max|x| / 127`, round to nearest even). For each output (weight row, activation row):
@@ -24,8 +28,9 @@
 //! broadcast activation bytes yields 16 row sums at once: no horizontal sums, one float step per
 //! (block, 16 rows). The weights of a row group (a few KB, L1-resident) are streamed from memory
 //! once per call and reused from L1 by later tiles of activation rows, so small batches stay
-//! memory-bound like a single row. 4-bit formats stay 4-bit in memory; the 5-, 6- and 8-bit
-//! formats are stored one byte per weight (simpler unpacking, at up to 1.45x their GGML size).
+//! memory-bound like a single row. Every value keeps its bits: 4-bit values two per byte, the 5-
+//! and 6-bit ones as such a nibble plus a plane of their high bits (one or two bits per value,
+//! beside the nibbles of the same block), 8-bit ones a byte each.
 
 use rayon::prelude::*;
 
@@ -99,42 +104,61 @@ impl QuantFormat {
         matches!(self, QuantFormat::Q4_1 | QuantFormat::Q4_K)
     }
 
-    /// Two weights per byte (low nibbles: the block's first half, as in GGML).
+    /// The low four bits of each value two per byte (4-weight group `k` of a block in the low
+    /// nibbles of load `k % (groups / 2)`, the later half in the high nibbles); all but Q8_0.
     fn nibbles(self) -> bool {
-        matches!(
-            self,
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q4_K
-        )
+        self != QuantFormat::Q8_0
+    }
+
+    /// Bits of each value above its low nibble, stored in a plane after the nibbles: bit(s)
+    /// `k * high_bits` of a byte belong to 4-weight group `k`.
+    fn high_bits(self) -> usize {
+        match self {
+            QuantFormat::Q5_0 => 1,
+            QuantFormat::Q6_K => 2,
+            _ => 0,
+        }
     }
 
     /// Bytes of one repacked block of a row group.
     fn packed_bytes(self) -> usize {
         if self.nibbles() {
-            ROWS * self.elems() / 2
+            ROWS * self.elems() / 2 + if self.high_bits() > 0 { GROUP_BYTES } else { 0 }
         } else {
             ROWS * self.elems()
         }
     }
 
-    /// Decodes one GGML block into `u` (the block's weights, element order) and a scale and min
-    /// per repacked block.
-    fn decode(self, b: &[u8], u: &mut [u8], scales: &mut Vec<f32>, mins: &mut Vec<f32>) {
+    /// Blocks sharing one stored f16 scale (and min): the K formats' super-blocks of 256.
+    fn blocks_per_super(self) -> usize {
+        match self {
+            QuantFormat::Q4_K | QuantFormat::Q6_K => 256 / self.elems(),
+            _ => 1,
+        }
+    }
+
+    /// Decodes one GGML block into `u` (the block's weights, element order), its f16 scale and
+    /// min (per GGML block: the K formats' d and minus dmin) and, for the K formats, the integer
+    /// multipliers of each repacked block's scale and min.
+    fn decode(self, b: &[u8], u: &mut [u8], p: &mut DecodedParams) {
+        let bits = |lo: u8, hi: u8| u16::from_le_bytes([lo, hi]);
+        let (scales, mins) = (&mut p.scales, &mut p.mins);
         match self {
             QuantFormat::Q4_0 | QuantFormat::Q4_1 => {
                 let q = if self == QuantFormat::Q4_1 {
-                    mins.push(f16(b[2], b[3]));
+                    mins.push(bits(b[2], b[3]));
                     &b[4..20]
                 } else {
                     &b[2..18]
                 };
-                scales.push(f16(b[0], b[1]));
+                scales.push(bits(b[0], b[1]));
                 for (j, &v) in q.iter().enumerate() {
                     u[j] = v & 0xF;
                     u[j + 16] = v >> 4;
                 }
             }
             QuantFormat::Q5_0 => {
-                scales.push(f16(b[0], b[1]));
+                scales.push(bits(b[0], b[1]));
                 let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
                 for (j, &v) in b[6..22].iter().enumerate() {
                     u[j] = (v & 0xF) | (((qh >> j) << 4) & 0x10) as u8;
@@ -142,13 +166,15 @@ impl QuantFormat {
                 }
             }
             QuantFormat::Q8_0 => {
-                scales.push(f16(b[0], b[1]));
+                scales.push(bits(b[0], b[1]));
                 for (j, &v) in b[2..34].iter().enumerate() {
                     u[j] = (v as i8 as i32 + 128) as u8;
                 }
             }
             QuantFormat::Q4_K => {
-                let (d, dmin) = (f16(b[0], b[1]), f16(b[2], b[3]));
+                // w = d * s * u - dmin * m: the min's f16 is dmin with its sign flipped.
+                scales.push(bits(b[0], b[1]));
+                mins.push(bits(b[2], b[3]) ^ 0x8000);
                 let sc = &b[4..16];
                 for j in 0..8 {
                     let (s, m) = if j < 4 {
@@ -159,9 +185,8 @@ impl QuantFormat {
                             (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4),
                         )
                     };
-                    // Both products are exact in f32 (11-bit by 6-bit mantissas).
-                    scales.push(d * s as f32);
-                    mins.push(-(dmin * m as f32));
+                    p.scale_codes.push(s);
+                    p.min_codes.push(m);
                 }
                 for c in 0..4 {
                     for (l, &v) in b[16 + 32 * c..16 + 32 * (c + 1)].iter().enumerate() {
@@ -172,9 +197,9 @@ impl QuantFormat {
             }
             QuantFormat::Q6_K => {
                 let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
-                let d = f16(b[208], b[209]);
-                // Exact in f32 (11-bit by 8-bit).
-                scales.extend(sc.iter().map(|&s| d * s as i8 as f32));
+                scales.push(bits(b[208], b[209]));
+                // Signed: kept as the i8's bits.
+                p.scale_codes.extend_from_slice(sc);
                 for h in 0..2 {
                     let (ql, qh) = (&ql[64 * h..], &qh[32 * h..]);
                     let y = &mut u[128 * h..];
@@ -194,6 +219,28 @@ impl QuantFormat {
 #[error("{0}")]
 pub struct QuantError(String);
 
+/// One GGML row's parameters as [`QuantFormat::decode`] yields them.
+#[derive(Default)]
+struct DecodedParams {
+    /// f16 bits, per GGML block.
+    scales: Vec<u16>,
+    /// f16 bits, per GGML block; formats with a min.
+    mins: Vec<u16>,
+    /// Per repacked block; K formats (Q6_K's are i8 bits).
+    scale_codes: Vec<u8>,
+    /// Per repacked block; Q4_K.
+    min_codes: Vec<u8>,
+}
+
+impl DecodedParams {
+    fn clear(&mut self) {
+        self.scales.clear();
+        self.mins.clear();
+        self.scale_codes.clear();
+        self.min_codes.clear();
+    }
+}
+
 /// A `[rows, cols]` weight matrix repacked for the kernel (see the module documentation).
 pub struct QuantMatrix {
     format: QuantFormat,
@@ -201,21 +248,140 @@ pub struct QuantMatrix {
     cols: usize,
     /// Repacked blocks per row.
     blocks: usize,
+    /// Super-blocks (blocks sharing a stored scale) per row.
+    supers: usize,
     /// `[row group][block]` of `format.packed_bytes()` each.
-    qs: Vec<u8>,
-    /// `[row group][block][16 rows]`.
-    scales: Vec<f32>,
-    /// `[row group][block][16 rows]`; empty for formats without a min.
-    mins: Vec<f32>,
+    qs: WeightBuffer,
+    /// f16 bits, `[row group][super-block][16 rows]`: the block scale, or the K formats' d.
+    scales: Vec<u16>,
+    /// f16 bits, same layout; formats with a min only (Q4_K: minus dmin).
+    mins: Vec<u16>,
+    /// `[row group][block][16 rows]`, K formats: the block scale's multiple of d (Q6_K: i8).
+    scale_codes: Vec<u8>,
+    /// Same layout, Q4_K: the block min's multiple of minus dmin.
+    min_codes: Vec<u8>,
 }
 
-fn f16(lo: u8, hi: u8) -> f32 {
-    half::f16::from_bits(u16::from_le_bytes([lo, hi])).to_f32()
+/// A zeroed buffer for weights that every forward streams through. On Linux one of 2 MB or
+/// more is mapped on its own, 2 MB aligned, and asks for transparent huge pages over its whole
+/// 2 MB pages before the first write (`madvise`; the kernel's `madvise` mode, a common default,
+/// gives them to no one who does not ask), so a forward's walk over hundreds of MB uses 2 MB TLB
+/// entries instead of 4 KB ones. (A buffer from the allocator may be heap memory already touched
+/// in 4 KB pages, which advice cannot change.) Where the kernel declines, the pages are ordinary.
+struct WeightBuffer(Storage);
+
+enum Storage {
+    Heap(Vec<u8>),
+    /// A mapping of this many bytes (4 KB pages) holding the buffer's `len`.
+    #[cfg(target_os = "linux")]
+    Mapped {
+        start: std::ptr::NonNull<u8>,
+        mapped: usize,
+        len: usize,
+    },
+}
+
+// SAFETY: the buffer owns its memory exclusively, as a Vec<u8> does.
+unsafe impl Send for WeightBuffer {}
+// SAFETY: shared access is read-only, through `Deref`.
+unsafe impl Sync for WeightBuffer {}
+
+impl WeightBuffer {
+    fn zeroed(len: usize) -> WeightBuffer {
+        #[cfg(target_os = "linux")]
+        if let Some(mapped) = Self::map_huge(len) {
+            return mapped;
+        }
+        WeightBuffer(Storage::Heap(vec![0; len]))
+    }
+
+    #[cfg(target_os = "linux")]
+    fn map_huge(len: usize) -> Option<WeightBuffer> {
+        const HUGE: usize = 2 << 20;
+        const PAGE: usize = 4096;
+        if len < HUGE {
+            return None;
+        }
+        let size = len.next_multiple_of(PAGE) + HUGE;
+        // SAFETY: an anonymous private mapping, checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        // Keep a 2 MB aligned start, give back the rest; advise the whole 2 MB pages (the
+        // tail's partial one stays in 4 KB pages, costing no more memory than it holds).
+        let base = p as usize;
+        let start = base.next_multiple_of(HUGE);
+        let mapped = len.next_multiple_of(PAGE);
+        // SAFETY: both pieces lie inside the mapping made above and are not used.
+        unsafe {
+            if start > base {
+                libc::munmap(p, start - base);
+            }
+            let tail = base + size - (start + mapped);
+            if tail > 0 {
+                libc::munmap((start + mapped) as *mut libc::c_void, tail);
+            }
+            libc::madvise(start as *mut libc::c_void, len / HUGE * HUGE, libc::MADV_HUGEPAGE);
+        }
+        let start = std::ptr::NonNull::new(start as *mut u8)?;
+        Some(WeightBuffer(Storage::Mapped { start, mapped, len }))
+    }
+}
+
+impl std::ops::Deref for WeightBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Storage::Heap(v) => v,
+            // SAFETY: the mapping holds `len` zero-initialised bytes while self lives.
+            #[cfg(target_os = "linux")]
+            Storage::Mapped { start, len, .. } => unsafe {
+                std::slice::from_raw_parts(start.as_ptr(), *len)
+            },
+        }
+    }
+}
+
+impl std::ops::DerefMut for WeightBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Storage::Heap(v) => v,
+            // SAFETY: as in deref; `&mut self` makes this the only access.
+            #[cfg(target_os = "linux")]
+            Storage::Mapped { start, len, .. } => unsafe {
+                std::slice::from_raw_parts_mut(start.as_ptr(), *len)
+            },
+        }
+    }
+}
+
+impl Drop for WeightBuffer {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        if let Storage::Mapped { start, mapped, .. } = self.0 {
+            // SAFETY: the mapping made in `map_huge`, unmapped once.
+            unsafe { libc::munmap(start.as_ptr() as *mut libc::c_void, mapped) };
+        }
+    }
+}
+
+fn f16(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
 }
 
 impl QuantMatrix {
     /// Repacks GGML blocks (`rows * cols / ggml_block_elems` of them, row-major). Rows need not
-    /// be a multiple of 8 (the last group is padded with zero weights).
+    /// be a multiple of 16 (the last group is padded with zero weights).
     pub fn from_ggml(
         format: QuantFormat,
         rows: usize,
@@ -237,48 +403,82 @@ impl QuantMatrix {
             )));
         }
         let (e, blocks) = (format.elems(), cols / format.elems());
+        let supers = blocks / format.blocks_per_super();
         let groups = rows.div_ceil(ROWS);
+        let coded = format.blocks_per_super() > 1;
         let mut m = QuantMatrix {
             format,
             rows,
             cols,
             blocks,
-            qs: vec![0; groups * blocks * format.packed_bytes()],
-            scales: vec![0.0; groups * blocks * ROWS],
+            supers,
+            qs: WeightBuffer::zeroed(groups * blocks * format.packed_bytes()),
+            scales: vec![0; groups * supers * ROWS],
             mins: if format.has_mins() {
-                vec![0.0; groups * blocks * ROWS]
+                vec![0; groups * supers * ROWS]
+            } else {
+                Vec::new()
+            },
+            scale_codes: if coded {
+                vec![0; groups * blocks * ROWS]
+            } else {
+                Vec::new()
+            },
+            min_codes: if coded && format.has_mins() {
+                vec![0; groups * blocks * ROWS]
             } else {
                 Vec::new()
             },
         };
-        let (mut u, mut scales, mut mins) = (vec![0u8; cols], Vec::new(), Vec::new());
+        let (mut u, mut params) = (vec![0u8; cols], DecodedParams::default());
+        let (half, high) = (e / 8, format.high_bits());
         for (r, row) in data.chunks_exact(row_bytes).enumerate() {
-            scales.clear();
-            mins.clear();
+            params.clear();
             for (b, chunk) in row.chunks_exact(format.ggml_block_bytes()).enumerate() {
-                format.decode(chunk, &mut u[b * ge..(b + 1) * ge], &mut scales, &mut mins);
+                format.decode(chunk, &mut u[b * ge..(b + 1) * ge], &mut params);
             }
             let (g, lane) = (r / ROWS, r % ROWS);
+            for s in 0..supers {
+                let at = (g * supers + s) * ROWS + lane;
+                m.scales[at] = params.scales[s];
+                if format.has_mins() {
+                    m.mins[at] = params.mins[s];
+                }
+            }
             for s in 0..blocks {
                 let at = (g * blocks + s) * ROWS + lane;
-                m.scales[at] = scales[s];
-                if format.has_mins() {
-                    m.mins[at] = mins[s];
+                if coded {
+                    m.scale_codes[at] = params.scale_codes[s];
+                    if format.has_mins() {
+                        m.min_codes[at] = params.min_codes[s];
+                    }
                 }
                 let packed = &mut m.qs[(g * blocks + s) * format.packed_bytes()..];
                 for (c, &v) in u[s * e..(s + 1) * e].iter().enumerate() {
-                    // Group k = c / 4 of the block holds elements 4k..4k+4 of each row.
+                    // 4-weight group k = c / 4 of the block holds elements 4k..4k+4 of each row.
+                    let (k, byte) = (c / 4, lane * 4 + c % 4);
                     if format.nibbles() {
-                        let (k, hi) = ((c % 16) / 4, c >= 16);
-                        let at = k * GROUP_BYTES + lane * 4 + c % 4;
-                        packed[at] |= if hi { v << 4 } else { v };
+                        let nibble = (v & 0xF) << if k >= half { 4 } else { 0 };
+                        packed[(k % half) * GROUP_BYTES + byte] |= nibble;
+                        if high > 0 {
+                            packed[half * GROUP_BYTES + byte] |= (v >> 4) << (k * high);
+                        }
                     } else {
-                        packed[(c / 4) * GROUP_BYTES + lane * 4 + c % 4] = v;
+                        packed[k * GROUP_BYTES + byte] = v;
                     }
                 }
             }
         }
         Ok(m)
+    }
+
+    /// Bytes the repacked matrix holds (weights, scales and mins), for comparison with its
+    /// GGML size.
+    pub fn bytes(&self) -> usize {
+        self.qs.len()
+            + 2 * (self.scales.len() + self.mins.len())
+            + self.scale_codes.len()
+            + self.min_codes.len()
     }
 
     pub fn format(&self) -> QuantFormat {
@@ -298,21 +498,37 @@ impl QuantMatrix {
         let (g, lane, e) = (r / ROWS, r % ROWS, self.format.elems());
         let (s, c) = (c / e, c % e);
         let packed = &self.qs[(g * self.blocks + s) * self.format.packed_bytes()..];
-        if self.format.nibbles() {
-            let v = packed[((c % 16) / 4) * GROUP_BYTES + lane * 4 + c % 4];
-            if c >= 16 {
-                v >> 4
-            } else {
-                v & 0xF
-            }
-        } else {
-            packed[(c / 4) * GROUP_BYTES + lane * 4 + c % 4]
+        let (k, byte, half) = (c / 4, lane * 4 + c % 4, e / 8);
+        if !self.format.nibbles() {
+            return packed[k * GROUP_BYTES + byte];
+        }
+        let nibble = (packed[(k % half) * GROUP_BYTES + byte] >> if k >= half { 4 } else { 0 }) & 0xF;
+        match self.format.high_bits() {
+            0 => nibble,
+            high => nibble | ((packed[half * GROUP_BYTES + byte] >> (k * high)) & ((1 << high) - 1)) << 4,
         }
     }
 
-    /// Index of (row, block)'s scale and min.
-    fn param(&self, r: usize, s: usize) -> usize {
-        ((r / ROWS) * self.blocks + s) * ROWS + r % ROWS
+    /// Row `r`'s scale of block `s`, as the kernels compute it.
+    fn scale(&self, r: usize, s: usize) -> f32 {
+        let (g, lane) = (r / ROWS, r % ROWS);
+        let d = f16(self.scales[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
+        let code = self.scale_codes.get((g * self.blocks + s) * ROWS + lane);
+        match (self.format, code) {
+            (QuantFormat::Q6_K, Some(&c)) => d * c as i8 as f32,
+            (_, Some(&c)) => d * c as f32,
+            (_, None) => d,
+        }
+    }
+
+    /// Row `r`'s min of block `s` (formats with a min).
+    fn min(&self, r: usize, s: usize) -> f32 {
+        let (g, lane) = (r / ROWS, r % ROWS);
+        let m = f16(self.mins[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
+        match self.min_codes.get((g * self.blocks + s) * ROWS + lane) {
+            Some(&c) => m * c as f32,
+            None => m,
+        }
     }
 
     /// Row `r` as f32, exactly as GGML dequantizes it (for references and embeddings).
@@ -320,10 +536,9 @@ impl QuantMatrix {
         let (e, z) = (self.format.elems(), self.format.zero_point());
         (0..self.cols)
             .map(|c| {
-                let p = self.param(r, c / e);
-                let w = self.scales[p] * (self.u(r, c) as i32 - z) as f32;
+                let w = self.scale(r, c / e) * (self.u(r, c) as i32 - z) as f32;
                 if self.format.has_mins() {
-                    w + self.mins[p]
+                    w + self.min(r, c / e)
                 } else {
                     w
                 }
@@ -399,7 +614,6 @@ impl QuantMatrix {
                 let (mut acc, mut off) = (0f32, 0f32);
                 for s in 0..self.blocks {
                     let ab = i * self.blocks + s;
-                    let p = (g * self.blocks + s) * ROWS + lane;
                     let isum: i32 = if r < self.rows {
                         (0..e)
                             .map(|c| {
@@ -410,9 +624,9 @@ impl QuantMatrix {
                     } else {
                         0
                     };
-                    acc = (isum as f32).mul_add(self.scales[p] * a.d[ab], acc);
+                    acc = (isum as f32).mul_add(self.scale(r, s) * a.d[ab], acc);
                     if self.format.has_mins() {
-                        off = self.mins[p].mul_add(a.dsum[ab], off);
+                        off = self.min(r, s).mul_add(a.dsum[ab], off);
                     }
                 }
                 *d = acc + off;
@@ -421,9 +635,9 @@ impl QuantMatrix {
     }
 }
 
-/// `x` times each of `mats` (one format and width), into `outs` (`[n, rows]` each): the
-/// activations are quantized once and all the matrices' rows share one parallel section, as the
-/// query/key/value and the gate/up projections of a layer do.
+/// `x` times each of `mats` (one width, any formats), into `outs` (`[n, rows]` each): the
+/// activations are quantized once per format and all the matrices' rows share one parallel
+/// section, as the query/key/value and the gate/up projections of a layer do.
 pub fn matmul_many(mats: &[&QuantMatrix], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
     matmul_many_on(Path::detect(n), mats, x, n, outs)
 }
@@ -432,14 +646,21 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
     let Some(first) = mats.first() else { return };
     assert_eq!(mats.len(), outs.len(), "one output per matrix");
     for (m, out) in mats.iter().zip(outs.iter()) {
-        assert!(
-            m.format == first.format && m.cols == first.cols,
-            "matrices differ in format or width"
-        );
+        assert!(m.cols == first.cols, "matrices differ in width");
         assert_eq!(out.len(), n * m.rows, "out is not [n, rows]");
     }
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
-    let acts = QuantizedActs::new(x, n, first);
+    // The activations as each format's blocks see them, once per format.
+    let mut formats: Vec<(QuantFormat, QuantizedActs)> = Vec::new();
+    for m in mats {
+        if !formats.iter().any(|(f, _)| *f == m.format) {
+            formats.push((m.format, QuantizedActs::new(x, n, m)));
+        }
+    }
+    let acts: Vec<&QuantizedActs> = mats
+        .iter()
+        .map(|m| &formats.iter().find(|(f, _)| *f == m.format).expect("quantized above").1)
+        .collect();
     let outs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
     let tasks: Vec<(usize, usize)> = mats
         .iter()
@@ -450,7 +671,7 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         .collect();
     tasks
         .into_par_iter()
-        .for_each(|(k, c)| mats[k].chunk(c, &acts, path, n, &outs[k]));
+        .for_each(|(k, c)| mats[k].chunk(c, acts[k], path, n, &outs[k]));
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -476,7 +697,8 @@ impl Path {
         #[cfg(target_arch = "x86_64")]
         {
             let off = |var: &str| std::env::var_os(var).is_some();
-            if lanes::avx2_fma() {
+            // Every path converts the stored f16 scales (F16C, on every AVX2 CPU in practice).
+            if lanes::avx2_fma() && is_x86_feature_detected!("f16c") {
                 if !off("SPECINFER_NO_AVX512")
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
@@ -578,7 +800,7 @@ macro_rules! vector_ops {
 }
 
 #[cfg(target_arch = "x86_64")]
-vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni", 16, __m512i, __m512, centers_q8: false, {
+vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni,f16c", 16, __m512i, __m512, centers_q8: false, {
     pub unsafe fn zero_i() -> I { _mm512_setzero_si512() }
     pub unsafe fn zero_f() -> F { _mm512_setzero_ps() }
     pub unsafe fn load_i(p: *const u8) -> I { _mm512_loadu_si512(p as *const _) }
@@ -587,11 +809,22 @@ vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni", 16, __m512i, __m512, center
         _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
     }
     pub unsafe fn splat_i(x: i32) -> I { _mm512_set1_epi32(x) }
+    pub unsafe fn or_i(a: I, b: I) -> I { _mm512_or_si512(a, b) }
+    pub unsafe fn high_plane(plane: I, shift: i32, bits: i32) -> I {
+        let v = _mm512_srl_epi16(plane, _mm_cvtsi32_si128(shift));
+        _mm512_slli_epi16::<4>(_mm512_and_si512(v, _mm512_set1_epi8(((1 << bits) - 1) as i8)))
+    }
+    pub unsafe fn load_f16(p: *const u16) -> F { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const _)) }
+    pub unsafe fn load_u8_f(p: *const u8) -> F {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const _)))
+    }
+    pub unsafe fn load_i8_f(p: *const u8) -> F {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const _)))
+    }
     pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I { _mm512_dpbusd_epi32(acc, w, x) }
     pub unsafe fn add_i(a: I, b: I) -> I { _mm512_add_epi32(a, b) }
     pub unsafe fn sub_i(a: I, b: I) -> I { _mm512_sub_epi32(a, b) }
     pub unsafe fn to_f(v: I) -> F { _mm512_cvtepi32_ps(v) }
-    pub unsafe fn load_f(p: *const f32) -> F { _mm512_loadu_ps(p) }
     pub unsafe fn splat_f(x: f32) -> F { _mm512_set1_ps(x) }
     pub unsafe fn mul_f(a: F, b: F) -> F { _mm512_mul_ps(a, b) }
     pub unsafe fn add_f(a: F, b: F) -> F { _mm512_add_ps(a, b) }
@@ -612,11 +845,22 @@ macro_rules! ymm_ops {
                 _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
             }
             pub unsafe fn splat_i(x: i32) -> I { _mm256_set1_epi32(x) }
+            pub unsafe fn or_i(a: I, b: I) -> I { _mm256_or_si256(a, b) }
+            pub unsafe fn high_plane(plane: I, shift: i32, bits: i32) -> I {
+                let v = _mm256_srl_epi16(plane, _mm_cvtsi32_si128(shift));
+                _mm256_slli_epi16::<4>(_mm256_and_si256(v, _mm256_set1_epi8(((1 << bits) - 1) as i8)))
+            }
+            pub unsafe fn load_f16(p: *const u16) -> F { _mm256_cvtph_ps(_mm_loadu_si128(p as *const _)) }
+            pub unsafe fn load_u8_f(p: *const u8) -> F {
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const _)))
+            }
+            pub unsafe fn load_i8_f(p: *const u8) -> F {
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const _)))
+            }
             $dot
             pub unsafe fn add_i(a: I, b: I) -> I { _mm256_add_epi32(a, b) }
             pub unsafe fn sub_i(a: I, b: I) -> I { _mm256_sub_epi32(a, b) }
             pub unsafe fn to_f(v: I) -> F { _mm256_cvtepi32_ps(v) }
-            pub unsafe fn load_f(p: *const f32) -> F { _mm256_loadu_ps(p) }
             pub unsafe fn splat_f(x: f32) -> F { _mm256_set1_ps(x) }
             pub unsafe fn mul_f(a: F, b: F) -> F { _mm256_mul_ps(a, b) }
             pub unsafe fn add_f(a: F, b: F) -> F { _mm256_add_ps(a, b) }
@@ -627,14 +871,14 @@ macro_rules! ymm_ops {
 }
 
 #[cfg(target_arch = "x86_64")]
-ymm_ops!(ymm_vnni, "avx2,fma,avxvnni", centers_q8: false,
+ymm_ops!(ymm_vnni, "avx2,fma,f16c,avxvnni", centers_q8: false,
     pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I {
         _mm256_dpbusd_avx_epi32(acc, w, x)
     }
 );
 
 #[cfg(target_arch = "x86_64")]
-ymm_ops!(ymm_avx2, "avx2,fma", centers_q8: true,
+ymm_ops!(ymm_avx2, "avx2,fma,f16c", centers_q8: true,
     pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I {
         let pairs = if Q8 {
             // Q8_0's `u x` pairs would saturate 16 bits: re-centre the weights (u - 128) and,
@@ -666,14 +910,54 @@ macro_rules! x86_path {
                 unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p as *const i8) }
             }
 
-            /// Asks for the scales (and mins) of a row group's block at parameter index `p`:
-            /// one cache line each.
+            /// Asks for the scales and mins (and their codes) of block `s` of the row group
+            /// `on` groups after `set`'s: a cache line each.
             #[inline(always)]
-            fn params_ahead<const HINT: i32, const MINS: bool>(m: &QuantMatrix, p: usize) {
-                prefetch::<HINT>(m.scales.as_ptr().wrapping_add(p) as *const u8);
+            fn params_ahead<const HINT: i32, const MINS: bool, const PER: usize>(
+                m: &QuantMatrix,
+                set: &Set,
+                on: usize,
+                s: usize,
+            ) {
+                let sup = set.sp + (on * m.supers + s / PER) * ROWS;
+                prefetch::<HINT>(m.scales.as_ptr().wrapping_add(sup) as *const u8);
                 if MINS {
-                    prefetch::<HINT>(m.mins.as_ptr().wrapping_add(p) as *const u8);
+                    prefetch::<HINT>(m.mins.as_ptr().wrapping_add(sup) as *const u8);
                 }
+                if PER > 1 {
+                    let code = set.p + (on * m.blocks + s) * ROWS;
+                    prefetch::<HINT>(m.scale_codes.as_ptr().wrapping_add(code));
+                    if MINS {
+                        prefetch::<HINT>(m.min_codes.as_ptr().wrapping_add(code));
+                    }
+                }
+            }
+
+            /// `set`'s scales of block `s`: the stored f16, times the block's code in the K
+            /// formats (`signed`: Q6_K's i8 codes).
+            #[inline(always)]
+            unsafe fn block_scales<const PER: usize>(
+                m: &QuantMatrix,
+                set: &Set,
+                s: usize,
+                signed: bool,
+            ) -> F {
+                let d = load_f16(m.scales.as_ptr().add(set.sp + (s / PER) * ROWS));
+                if PER == 1 {
+                    return d;
+                }
+                let code = m.scale_codes.as_ptr().add(set.p + s * ROWS);
+                mul_f(d, if signed { load_i8_f(code) } else { load_u8_f(code) })
+            }
+
+            /// `set`'s mins of block `s`, likewise.
+            #[inline(always)]
+            unsafe fn block_mins<const PER: usize>(m: &QuantMatrix, set: &Set, s: usize) -> F {
+                let mn = load_f16(m.mins.as_ptr().add(set.sp + (s / PER) * ROWS));
+                if PER == 1 {
+                    return mn;
+                }
+                mul_f(mn, load_u8_f(m.min_codes.as_ptr().add(set.p + s * ROWS)))
             }
 
             /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
@@ -682,8 +966,10 @@ macro_rules! x86_path {
             struct Set {
                 /// Block 0's weights.
                 w: *const u8,
-                /// Block 0's scales and mins.
+                /// Block 0's scale and min codes (K formats).
                 p: usize,
+                /// Super-block 0's stored scales and mins.
+                sp: usize,
                 dst: *mut [f32; ROWS],
                 lane0: usize,
             }
@@ -694,6 +980,7 @@ macro_rules! x86_path {
                     Set {
                         w: m.qs[g * m.blocks * m.format.packed_bytes() + 4 * lane0..].as_ptr(),
                         p: g * m.blocks * ROWS + lane0,
+                        sp: g * m.supers * ROWS + lane0,
                         dst: dst.as_mut_ptr(),
                         lane0,
                     }
@@ -740,18 +1027,18 @@ macro_rules! x86_path {
                 n: usize,
             ) {
                 match m.format {
-                    QuantFormat::Q4_0 => rows::<S, 8, true, false, false>(m, sets, a, n),
-                    QuantFormat::Q4_1 | QuantFormat::Q4_K => {
-                        rows::<S, 8, true, true, false>(m, sets, a, n)
-                    }
-                    QuantFormat::Q5_0 => rows::<S, 8, false, false, false>(m, sets, a, n),
-                    QuantFormat::Q6_K => rows::<S, 4, false, false, false>(m, sets, a, n),
-                    QuantFormat::Q8_0 => rows::<S, 8, false, false, true>(m, sets, a, n),
+                    QuantFormat::Q4_0 => rows::<S, 8, true, false, false, 0, 1>(m, sets, a, n),
+                    QuantFormat::Q4_1 => rows::<S, 8, true, true, false, 0, 1>(m, sets, a, n),
+                    QuantFormat::Q4_K => rows::<S, 8, true, true, false, 0, 8>(m, sets, a, n),
+                    QuantFormat::Q5_0 => rows::<S, 8, true, false, false, 1, 1>(m, sets, a, n),
+                    QuantFormat::Q6_K => rows::<S, 4, true, false, false, 2, 16>(m, sets, a, n),
+                    QuantFormat::Q8_0 => rows::<S, 8, false, false, true, 0, 1>(m, sets, a, n),
                 }
             }
 
-            /// `GROUPS` 4-weight groups per block; `NIB`: 4-bit storage; `MINS`: the format
-            /// has a min; `Q8`: the 8-bit format (zero point 128).
+            /// `GROUPS` 4-weight groups per block; `NIB`: nibble storage; `MINS`: the format
+            /// has a min; `Q8`: the 8-bit format (zero point 128); `HIGH`: bits per value in
+            /// the high-bit plane; `PER`: blocks per stored scale.
             #[target_feature(enable = $features)]
             unsafe fn rows<
                 const S: usize,
@@ -759,6 +1046,8 @@ macro_rules! x86_path {
                 const NIB: bool,
                 const MINS: bool,
                 const Q8: bool,
+                const HIGH: usize,
+                const PER: usize,
             >(
                 m: &QuantMatrix,
                 sets: [Set; S],
@@ -769,10 +1058,10 @@ macro_rules! x86_path {
                 // Up to MAX_T activation rows per pass keep every accumulator in a register.
                 while i < n {
                     i += match (n - i).min(MAX_T) {
-                        1 => tile::<1, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
-                        2 => tile::<2, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
-                        3 => tile::<3, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
-                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8>(m, sets, a, i, n),
+                        1 => tile::<1, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        2 => tile::<2, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        3 => tile::<3, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                     };
                 }
             }
@@ -786,6 +1075,8 @@ macro_rules! x86_path {
                 const NIB: bool,
                 const MINS: bool,
                 const Q8: bool,
+                const HIGH: usize,
+                const PER: usize,
             >(
                 m: &QuantMatrix,
                 sets: [Set; S],
@@ -806,9 +1097,11 @@ macro_rules! x86_path {
                         // stream of their own) from memory: ask for them a few blocks ahead so
                         // the loads overlap the arithmetic.
                         for set in &sets {
-                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS>(
+                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
                                 m,
-                                set.p + (s + PREFETCH_BLOCKS) * ROWS,
+                                set,
+                                0,
+                                s + PREFETCH_BLOCKS,
                             );
                             let ahead = set.w.wrapping_add((s + PREFETCH_BLOCKS) * pb);
                             for line in (0..pb).step_by(64) {
@@ -823,9 +1116,8 @@ macro_rules! x86_path {
                         // the arithmetic (their first pass then starts from L2).
                         let groups = if LANES == ROWS { S } else { 1 };
                         for set in &sets {
-                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS>(
-                                m,
-                                set.p + (groups * m.blocks + s) * ROWS,
+                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
+                                m, set, groups, s,
                             );
                             let ahead = set.w.wrapping_add(groups * m.blocks * pb + s * pb);
                             for line in (0..pb).step_by(64) {
@@ -836,15 +1128,30 @@ macro_rules! x86_path {
                         }
                     }
                     let mut isum = [[[zero_i(); 2]; S]; T];
+                    let half = GROUPS / 2;
+                    // The block's plane of high bits (5- and 6-bit formats), after its nibbles.
+                    let plane: [I; S] = std::array::from_fn(|j| {
+                        if HIGH > 0 {
+                            load_i(sets[j].w.add(s * pb + GROUP_BYTES * half))
+                        } else {
+                            zero_i()
+                        }
+                    });
                     for k in 0..GROUPS {
                         let wk: [I; S] = std::array::from_fn(|j| {
                             let w = sets[j].w.add(s * pb);
                             if NIB {
-                                let p = load_i(w.add(GROUP_BYTES * (k % 4)));
-                                if k >= 4 {
+                                let p = load_i(w.add(GROUP_BYTES * (k % half)));
+                                let v = if k >= half {
                                     high_nibbles(p)
                                 } else {
                                     low_nibbles(p)
+                                };
+                                if HIGH > 0 {
+                                    let shift = (k * HIGH) as i32;
+                                    or_i(v, high_plane(plane[j], shift, HIGH as i32))
+                                } else {
+                                    v
                                 }
                             } else {
                                 load_i(w.add(GROUP_BYTES * k))
@@ -859,6 +1166,9 @@ macro_rules! x86_path {
                             }
                         }
                     }
+                    let sc: [F; S] = std::array::from_fn(|j| {
+                        block_scales::<PER>(m, &sets[j], s, HIGH == 2)
+                    });
                     for t in 0..T {
                         let ab = (i0 + t) * m.blocks + s;
                         let corr = splat_i(*a.corr.get_unchecked(ab));
@@ -867,8 +1177,7 @@ macro_rules! x86_path {
                             let [c0, c1] = isum[t][j];
                             let v = add_i(c0, c1);
                             let v = if Q8 && CENTERS_Q8 { v } else { sub_i(v, corr) };
-                            let sc = load_f(m.scales.as_ptr().add(sets[j].p + s * ROWS));
-                            acc[t][j] = fmadd_f(to_f(v), mul_f(sc, da), acc[t][j]);
+                            acc[t][j] = fmadd_f(to_f(v), mul_f(sc[j], da), acc[t][j]);
                         }
                     }
                 }
@@ -876,11 +1185,12 @@ macro_rules! x86_path {
                 // the integer loop's registers free.
                 if MINS {
                     for s in 0..m.blocks {
+                        let mn: [F; S] =
+                            std::array::from_fn(|j| block_mins::<PER>(m, &sets[j], s));
                         for t in 0..T {
                             let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
                             for j in 0..S {
-                                let mn = load_f(m.mins.as_ptr().add(sets[j].p + s * ROWS));
-                                off[t][j] = fmadd_f(mn, ds, off[t][j]);
+                                off[t][j] = fmadd_f(mn[j], ds, off[t][j]);
                             }
                         }
                     }
@@ -898,11 +1208,11 @@ macro_rules! x86_path {
 }
 
 #[cfg(target_arch = "x86_64")]
-x86_path!(avx512, "avx512f,avx512bw,avx512vnni", zmm_vnni);
+x86_path!(avx512, "avx512f,avx512bw,avx512vnni,f16c", zmm_vnni);
 #[cfg(target_arch = "x86_64")]
-x86_path!(vnni, "avx2,fma,avxvnni", ymm_vnni);
+x86_path!(vnni, "avx2,fma,f16c,avxvnni", ymm_vnni);
 #[cfg(target_arch = "x86_64")]
-x86_path!(avx2, "avx2,fma", ymm_avx2);
+x86_path!(avx2, "avx2,fma,f16c", ymm_avx2);
 
 /// A plain f32 `[rows, cols]` weight matrix with the same loop structure as [`QuantMatrix`]:
 /// weights read once per call, a row's result independent of the batch. Used for small draft
@@ -1039,6 +1349,44 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_matrix_of_megabytes_is_mapped_on_its_own_and_multiplies_alike() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        let (rows, cols, n) = (4096, 1536, 3);
+        let (data, want) = ggml(GgmlDType::Q4_1, rows, cols, &mut rng);
+        let m = QuantMatrix::from_ggml(QuantFormat::Q4_1, rows, cols, &data).unwrap();
+        #[cfg(target_os = "linux")]
+        assert!(matches!(m.qs.0, Storage::Mapped { .. }), "{} bytes on the heap", m.qs.len());
+        for r in [0, 1000, rows - 1] {
+            assert_eq!(m.dequantize_row(r), &want[r * cols..(r + 1) * cols], "row {r}");
+        }
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut portable = vec![0f32; n * rows];
+        matmul_many_on(Path::Portable, &[&m], &x, n, &mut [&mut portable[..]]);
+        let mut out = vec![0f32; n * rows];
+        m.matmul(&x, n, &mut out);
+        assert_eq!(out, portable);
+    }
+
+    /// At most GGML's size; Q4_K keeps its 6-bit block codes a byte each, 4 bytes more per 256
+    /// weights than GGML's 144 (2.8 %).
+    #[test]
+    fn repacked_weights_are_no_larger_than_ggmls() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for (format, dtype) in FORMATS {
+            let (rows, cols) = (32, 512);
+            let (data, _) = ggml(dtype, rows, cols, &mut rng);
+            let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
+            let extra = if format == QuantFormat::Q4_K { rows * cols / 256 * 4 } else { 0 };
+            assert!(
+                m.bytes() <= data.len() + extra,
+                "{format:?}: {} bytes repacked, {} in GGML",
+                m.bytes(),
+                data.len()
+            );
+        }
+    }
+
     /// f64 products of the dequantized weights with the unquantized activations, and for each
     /// output the bound that 8-bit activations allow: half a quantization step (`max|x| / 254`
     /// in x's block) times `|w|`, summed, plus float rounding.
@@ -1091,11 +1439,13 @@ mod tests {
     fn several_matrices_at_once_give_the_bits_of_each_alone() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
         let (cols, n) = (256, 5);
-        let mats: Vec<QuantMatrix> = [48, 16, 37]
+        // Same formats and mixed ones (a Q4_K_M layer's Q4_K query and key with a Q6_K value).
+        let mats: Vec<QuantMatrix> = [(48, 1), (16, 1), (37, 1), (40, 2), (24, 4), (33, 2)]
             .iter()
-            .map(|&rows| {
-                let (data, _) = ggml(GgmlDType::Q4_1, rows, cols, &mut rng);
-                QuantMatrix::from_ggml(QuantFormat::Q4_1, rows, cols, &data).unwrap()
+            .map(|&(rows, f)| {
+                let (format, dtype) = FORMATS[f];
+                let (data, _) = ggml(dtype, rows, cols, &mut rng);
+                QuantMatrix::from_ggml(format, rows, cols, &data).unwrap()
             })
             .collect();
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();

@@ -21,7 +21,7 @@ mod tree_model;
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use feature::{FeatureDrafter, FEATURE_DRAFT_KIND};
 pub use kv::KvCache;
-pub use llama::{Llama, SeqTree};
+pub use llama::{Llama, SeqTree, WeightCost};
 pub use load::quantize_rows_u8;
 pub use logits::{DeviceRows, Logits, SampleWalk, WalkOutcome, Want};
 pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};

@@ -34,6 +34,18 @@ impl Weight {
         })
     }
 
+    /// Bytes of the weights as held for the kernels (what one token's forward reads).
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Weight::Quant(m) => m.bytes(),
+            Weight::F32(m) => 4 * m.rows() * m.cols(),
+            Weight::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
+            Weight::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        }
+    }
+
     /// `(out, in)`.
     pub(crate) fn shape(&self) -> (usize, usize) {
         match self {
@@ -126,7 +138,8 @@ impl Linear {
 }
 
 /// Projections of one input by several linears (a layer's query/key/value, or gate/up): when
-/// all are quantized alike, the input is quantized once and one parallel section covers them.
+/// all are quantized (in any GGML formats: Q4_K_M files mix Q4_K and Q6_K), one parallel
+/// section covers them.
 fn forward_many<const K: usize>(ls: [&Linear; K], x: &[f32], rows: usize) -> Result<[Vec<f32>; K]> {
     let quant: Option<Vec<&QuantMatrix>> = ls
         .iter()
@@ -135,10 +148,9 @@ fn forward_many<const K: usize>(ls: [&Linear; K], x: &[f32], rows: usize) -> Res
             _ => None,
         })
         .collect();
-    let same = quant.as_ref().is_some_and(|ms| {
-        ms.iter()
-            .all(|m| m.format() == ms[0].format() && m.cols() == ms[0].cols())
-    });
+    let same = quant
+        .as_ref()
+        .is_some_and(|ms| ms.iter().all(|m| m.cols() == ms[0].cols()));
     let (Some(ms), true) = (quant, same) else {
         let mut out: [Vec<f32>; K] = std::array::from_fn(|_| Vec::new());
         for (o, l) in out.iter_mut().zip(ls) {
@@ -179,6 +191,13 @@ pub struct Llama {
     pub(crate) head_ids: Option<Vec<u32>>,
 }
 
+/// See [`Llama::per_token_weights`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightCost {
+    pub bytes: usize,
+    pub macs: usize,
+}
+
 /// One sequence's share of a batched forward: its cache and the tree to run on top of it.
 pub struct SeqTree<'a> {
     pub cache: &'a mut KvCache,
@@ -206,6 +225,25 @@ impl Llama {
     /// Rows of the output head: the vocabulary, or a draft model's restricted support.
     pub fn head_tokens(&self) -> usize {
         self.head_ids.as_ref().map_or(self.cfg.vocab_size, Vec::len)
+    }
+
+    /// What one node's forward costs at least, whatever the engine: the projection and head
+    /// weights it reads (bytes as held here; the embedding lookup reads one row) and the
+    /// multiply-adds they take. Their floor on this machine is bytes / memory bandwidth, and
+    /// extra tree nodes cost only multiply-adds until those outlast the read.
+    pub fn per_token_weights(&self) -> WeightCost {
+        let linears = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .chain([&self.lm_head]);
+        let mut cost = WeightCost { bytes: 0, macs: 0 };
+        for l in linears {
+            let (rows, cols) = l.w.shape();
+            cost.bytes += l.w.bytes();
+            cost.macs += rows * cols;
+        }
+        cost
     }
 
     /// The final norm's weights (a feature-conditioned drafter starts from them).

@@ -3,6 +3,7 @@
 pub mod alignment;
 pub mod capacity;
 pub mod concurrency;
+pub mod engine;
 pub mod feature_draft;
 pub mod fleet;
 pub mod qwen;

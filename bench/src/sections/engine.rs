@@ -1,0 +1,448 @@
+//! The CPU engine at the hardware's limit, beside llama.cpp in the same run.
+//!
+//! For each shipped GGUF: llama.cpp's `llama-bench` (built once from the pinned PyPI sdist into
+//! the model cache) decoding and prompt processing on the same file and thread count; our
+//! single-sequence tree forward for 1 to 64 nodes at 128 and 1,024 cached positions, once on
+//! the best x86 path here and once on the AVX2 path (`SPECINFER_NO_AVX512=1`), each in a child
+//! process of its own (the kernels choose their path once per process) pinned to the same
+//! cores as llama.cpp. Beside them the limits: the machine's streaming read bandwidth and int8
+//! multiply-add peak, measured on the same threads, the decode floor they imply (weight bytes
+//! per token / bandwidth) and the node count from which a forward must grow (where the
+//! multiply-adds of the extra nodes outlast the weight read).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use specinfer_model::{fetch, load_gguf, KvCache};
+
+use crate::common::Section;
+use crate::forward_cost::{bushy_tree, median_forward_seconds};
+use crate::plot::plot_lines;
+
+/// The llama.cpp every CPU figure is compared with (its vendored build 0c1e570).
+const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
+const NODES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// A model measured: its name in the report and where it comes from.
+struct Model {
+    name: &'static str,
+    source: &'static fetch::ModelSource,
+}
+
+const MODELS: [Model; 3] = [
+    Model {
+        name: "SmolLM2-135M Q4_1",
+        source: &fetch::SMOLLM2_135M,
+    },
+    Model {
+        name: "Qwen2.5-Coder-0.5B Q4_K_M",
+        source: &fetch::QWEN25_CODER_05B,
+    },
+    Model {
+        name: "Qwen2.5-Coder-1.5B Q4_K_M",
+        source: &fetch::QWEN25_CODER_15B,
+    },
+];
+
+/// Our curve as a child process measures it (see [`child`]).
+struct Curve {
+    weight_bytes: f64,
+    macs: f64,
+    /// `(context, nodes, median seconds)`.
+    forwards: Vec<(usize, usize, f64)>,
+}
+
+impl Curve {
+    fn seconds(&self, context: usize, nodes: usize) -> Option<f64> {
+        self.forwards
+            .iter()
+            .find(|f| f.0 == context && f.1 == nodes)
+            .map(|f| f.2)
+    }
+
+    fn from_json(v: &Value) -> Result<Curve> {
+        let num = |v: &Value| v.as_f64().context("a number");
+        Ok(Curve {
+            weight_bytes: num(&v["weight_bytes"])?,
+            macs: num(&v["macs"])?,
+            forwards: v["forwards"]
+                .as_array()
+                .context("forwards")?
+                .iter()
+                .map(|f| {
+                    Ok((
+                        num(&f[0])? as usize,
+                        num(&f[1])? as usize,
+                        num(&f[2])?,
+                    ))
+                })
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
+/// The child's side: times our forward on `gguf` and prints the curve as one JSON line.
+pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
+    let (llm, tok) = load_gguf(gguf)?;
+    let prompt = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")?;
+    let weights = llm.per_token_weights();
+    let mut forwards = Vec::new();
+    for &context in contexts {
+        let tokens: Vec<u32> = prompt.iter().copied().cycle().take(context).collect();
+        let mut cache = KvCache::new(llm.config());
+        llm.prefill(&mut cache, &tokens)?;
+        for nodes in NODES {
+            let tree = bushy_tree(&tokens, nodes);
+            let s = median_forward_seconds(&llm, std::slice::from_mut(&mut cache), &tree, reps)?;
+            forwards.push(json!([context, nodes, s]));
+        }
+    }
+    println!(
+        "{}",
+        json!({"weight_bytes": weights.bytes, "macs": weights.macs, "forwards": forwards})
+    );
+    Ok(())
+}
+
+/// Runs [`child`] in a process of its own on `cores`, with `env` set.
+fn our_curve(gguf: &Path, cores: &str, env: &[(&str, &str)], contexts: &str, reps: usize) -> Result<Curve> {
+    let out = Command::new("taskset")
+        .args(["-c", cores])
+        .arg(std::env::current_exe()?)
+        .arg("--engine-curve")
+        .arg(gguf)
+        .args(["--engine-contexts", contexts, "--engine-reps", &reps.to_string()])
+        .envs(env.iter().copied())
+        .stderr(Stdio::inherit())
+        .output()
+        .context("starting the engine's child process")?;
+    if !out.status.success() {
+        bail!("the engine's child process failed on {}", gguf.display());
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    Curve::from_json(&serde_json::from_str(line.trim())?)
+}
+
+/// `llama-bench`, built once under `cache` from the pinned sdist (about 8 minutes on 2 cores),
+/// or `$SPECINFER_LLAMA_BENCH`.
+fn llama_bench(cache: &Path) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("SPECINFER_LLAMA_BENCH") {
+        return Ok(PathBuf::from(p));
+    }
+    let dir = cache.join("llama.cpp-0.3.36");
+    let exe = dir.join("build/bin/llama-bench");
+    if exe.exists() {
+        return Ok(exe);
+    }
+    let run = |what: &str, cmd: &mut Command| -> Result<()> {
+        eprintln!("[engine] llama.cpp: {what}");
+        let status = cmd.status().with_context(|| format!("{what}: {cmd:?}"))?;
+        if !status.success() {
+            bail!("{what} failed: {cmd:?}");
+        }
+        Ok(())
+    };
+    std::fs::create_dir_all(&dir)?;
+    let sdist = dir.join("sdist");
+    if !sdist.join("vendor/llama.cpp/CMakeLists.txt").exists() {
+        // The sdist's build backend and the build tools, from PyPI (no compiler download).
+        run(
+            "installing cmake, ninja and scikit-build-core from PyPI",
+            Command::new("python3").args(["-m", "pip", "install", "--quiet", "cmake", "ninja", "scikit-build-core"]),
+        )?;
+        run(
+            &format!("downloading the {LLAMA_CPP_PYTHON} sdist"),
+            Command::new("python3")
+                .args(["-m", "pip", "download", "--no-deps", "--no-build-isolation", "--quiet", "-d"])
+                .arg(&dir)
+                .arg(LLAMA_CPP_PYTHON),
+        )?;
+        std::fs::create_dir_all(&sdist)?;
+        run(
+            "unpacking the sdist",
+            Command::new("tar")
+                .arg("xzf")
+                .arg(dir.join("llama_cpp_python-0.3.36.tar.gz"))
+                .args(["--strip-components=1", "-C"])
+                .arg(&sdist),
+        )?;
+    }
+    let src = sdist.join("vendor/llama.cpp");
+    run(
+        "configuring (cmake Release, GGML_NATIVE=ON)",
+        Command::new("cmake")
+            .arg("-S")
+            .arg(&src)
+            .arg("-B")
+            .arg(dir.join("build"))
+            .args(["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON"])
+            .args(["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]),
+    )?;
+    run(
+        "building llama-bench (about 8 minutes on 2 cores)",
+        Command::new("cmake")
+            .arg("--build")
+            .arg(dir.join("build"))
+            .args(["--target", "llama-bench"]),
+    )?;
+    Ok(exe)
+}
+
+/// llama.cpp's tokens/s on `gguf`: `(n_prompt, n_gen) -> avg_ts` for tg32, pp8 and pp32.
+fn llama_cpp_rates(exe: &Path, gguf: &Path, cores: &str, threads: usize, reps: usize) -> Result<Vec<(u64, u64, f64)>> {
+    let out = Command::new("taskset")
+        .args(["-c", cores])
+        .arg(exe)
+        .arg("-m")
+        .arg(gguf)
+        .args(["-t", &threads.to_string(), "-p", "8,32", "-n", "32", "-r", &reps.to_string(), "-o", "json"])
+        .stderr(Stdio::null())
+        .output()
+        .context("running llama-bench")?;
+    if !out.status.success() {
+        bail!("llama-bench failed on {}", gguf.display());
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).context("llama-bench's JSON")?;
+    v.as_array()
+        .context("llama-bench's JSON is a list")?
+        .iter()
+        .map(|t| {
+            Ok((
+                t["n_prompt"].as_u64().context("n_prompt")?,
+                t["n_gen"].as_u64().context("n_gen")?,
+                t["avg_ts"].as_f64().context("avg_ts")?,
+            ))
+        })
+        .collect()
+}
+
+/// Streaming read bandwidth on `threads` threads, bytes/s: the best of several passes over a
+/// 1 GiB buffer (far beyond every cache).
+fn read_bandwidth(threads: usize) -> Result<f64> {
+    use rayon::prelude::*;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect();
+    let bytes = (buf.len() * 8) as f64;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: u64 = pool.install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
+                .reduce(|| 0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(bytes / best)
+}
+
+/// The int8 multiply-add peak on `threads` threads (MACs/s) of the instruction the engine's
+/// path uses: `vpdpbusd` on 512 bits, or AVX2's `vpmaddubsw` + `vpmaddwd` + `vpaddd`.
+fn int8_peak(threads: usize, avx512: bool) -> Result<f64> {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    const ITERS: u64 = 20_000_000;
+    let mut best = f64::MAX;
+    let mut macs_per_iter = 0.0;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let per: Vec<f64> = pool.broadcast(|_| peak_loop(ITERS, avx512));
+        best = best.min(t.elapsed().as_secs_f64());
+        macs_per_iter = per[0];
+    }
+    Ok(threads as f64 * ITERS as f64 * macs_per_iter / best)
+}
+
+/// Runs `iters` iterations of 8 independent dot instructions; returns MACs per iteration.
+fn peak_loop(iters: u64, avx512: bool) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512 && is_x86_feature_detected!("avx512vnni") {
+            // SAFETY: the features were detected just above.
+            unsafe { x86::vnni512(iters) };
+            return 8.0 * 64.0;
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            unsafe { x86::avx2(iters) };
+            return 8.0 * 32.0;
+        }
+    }
+    let _ = (iters, avx512);
+    0.0
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn vnni512(iters: u64) {
+        let (w, x) = (_mm512_set1_epi8(3), _mm512_set1_epi8(5));
+        let mut acc = [_mm512_setzero_si512(); 8];
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm512_dpbusd_epi32(*a, w, x);
+            }
+            std::hint::black_box(&acc);
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn avx2(iters: u64) {
+        let (w, x, ones) = (_mm256_set1_epi8(3), _mm256_set1_epi8(5), _mm256_set1_epi16(1));
+        let mut acc = [_mm256_setzero_si256(); 8];
+        for _ in 0..iters {
+            for a in acc.iter_mut() {
+                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+            }
+            std::hint::black_box(&acc);
+        }
+    }
+}
+
+/// The section: every model, llama.cpp beside our two paths, and the limits.
+pub fn run(quick: bool, out: &Path) -> Result<Section> {
+    let threads = rayon::current_num_threads();
+    let cores = format!("0-{}", threads - 1);
+    let cache = fetch::cache_dir();
+    let (reps, contexts) = if quick { (3, "128") } else { (7, "128,1024") };
+    let exe = llama_bench(&cache)?;
+    let bandwidth = read_bandwidth(threads)?;
+    let native_avx512 = std::env::var_os("SPECINFER_NO_AVX512").is_none()
+        && cfg!(target_arch = "x86_64")
+        && std::arch::is_x86_feature_detected!("avx512vnni");
+    let peak_native = int8_peak(threads, native_avx512)?;
+    let peak_avx2 = int8_peak(threads, false)?;
+    eprintln!(
+        "[engine] read bandwidth {:.1} GB/s; int8 peak {:.0} GMAC/s ({}), {:.0} GMAC/s (AVX2), {threads} threads",
+        bandwidth / 1e9,
+        peak_native / 1e9,
+        if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
+        peak_avx2 / 1e9
+    );
+    let flags: Vec<&str> = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16"]
+        .into_iter()
+        .filter(|f| {
+            std::fs::read_to_string("/proc/cpuinfo")
+                .map(|c| c.split_whitespace().any(|w| w == *f))
+                .unwrap_or(false)
+        })
+        .collect();
+    let mut md = format!(
+        "## The CPU engine beside llama.cpp\n\nThreads: {threads}, every process pinned to cores {cores} (`taskset`). \
+         CPU flags: {}. llama.cpp: `llama-bench` from the `{LLAMA_CPP_PYTHON}` sdist (cmake Release, `GGML_NATIVE=ON`), \
+         `-t {threads} -p 8,32 -n 32 -r {reps}`, on the same GGUF file in the same run. Ours: one sequence's tree forward \
+         (a bushy tree, node i under node i/2) over cached prompts, median of {reps}, in a child process each for the best \
+         path here and for `SPECINFER_NO_AVX512=1` (the AVX2 path).\n\n\
+         Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** (best of 5 passes over 1 GiB, \
+         {threads} threads); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
+         (8 independent accumulators per thread). The decode floor is the weight bytes one token reads / bandwidth; extra \
+         nodes cost only multiply-adds until nodes x MACs / peak outlasts the read, so the forward may grow from \
+         n* = floor x peak / MACs.\n\n\
+         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | floor tok/s | floor / ours | n* native |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+        flags.join(", "),
+        bandwidth / 1e9,
+        peak_native / 1e9,
+        if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
+        peak_avx2 / 1e9,
+    );
+    let mut curves_md = String::new();
+    let mut json_models = Vec::new();
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for model in &MODELS {
+        let gguf = fetch::ensure_with(model.source, &cache, &mut |e| eprintln!("[engine] {e}"))?;
+        eprintln!("[engine] {}", model.name);
+        let llama = llama_cpp_rates(&exe, &gguf, &cores, threads, reps)?;
+        let native = our_curve(&gguf, &cores, &[], contexts, reps)?;
+        let avx2 = our_curve(&gguf, &cores, &[("SPECINFER_NO_AVX512", "1")], contexts, reps)?;
+        let rate = |n_prompt, n_gen| llama.iter().find(|r| r.0 == n_prompt && r.1 == n_gen).map(|r| r.2);
+        let tg = rate(0, 32).context("llama-bench gave no tg32")?;
+        let (one, one_avx2) = (
+            native.seconds(128, 1).context("no 1-node forward")?,
+            avx2.seconds(128, 1).context("no 1-node forward")?,
+        );
+        let floor = native.weight_bytes / bandwidth;
+        let grow_from = floor * peak_native / native.macs;
+        md += &format!(
+            "| {} | {tg:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x | {:.0} | {:.1} | {:.2} | {grow_from:.1} |\n",
+            model.name,
+            1.0 / one,
+            1.0 / one / tg,
+            1.0 / one_avx2,
+            1.0 / one_avx2 / tg,
+            native.weight_bytes / 1e6,
+            1.0 / floor,
+            floor / one,
+        );
+        curves_md += &format!(
+            "\n**{}**: cost(n) / cost(1) (forward ms in brackets). Predicted: max(floor, n x MACs / peak) / cost(1) \
+             with the measured floor and peak, attention aside. llama.cpp for reference: pp8 {:.1} tok/s, pp32 {:.1} \
+             tok/s, i.e. an 8-token batch costs {:.2}x and a 32-token one {:.2}x its single-token decode.\n\n\
+             | nodes | native, 128 cached | AVX2, 128 cached | predicted native | predicted AVX2 |{}\n|---|---|---|---|---|{}\n",
+            model.name,
+            rate(8, 0).unwrap_or(f64::NAN),
+            rate(32, 0).unwrap_or(f64::NAN),
+            8.0 * tg / rate(8, 0).unwrap_or(f64::NAN),
+            32.0 * tg / rate(32, 0).unwrap_or(f64::NAN),
+            if quick { "" } else { " native, 1,024 cached |" },
+            if quick { "" } else { "---|" },
+        );
+        let mut points = Vec::new();
+        for n in NODES {
+            let cell = |c: &Curve, ctx: usize, base: f64| {
+                c.seconds(ctx, n)
+                    .map_or("-".into(), |s| format!("{:.2}x ({:.1})", s / base, s * 1e3))
+            };
+            let predicted = |peak: f64, base: f64| floor.max(n as f64 * native.macs / peak) / base;
+            curves_md += &format!(
+                "| {n} | {} | {} | {:.2}x | {:.2}x |{}\n",
+                cell(&native, 128, one),
+                cell(&avx2, 128, one_avx2),
+                predicted(peak_native, one),
+                predicted(peak_avx2, one_avx2),
+                if quick {
+                    String::new()
+                } else {
+                    let base = native.seconds(1024, 1).unwrap_or(f64::NAN);
+                    format!(" {} |", cell(&native, 1024, base))
+                }
+            );
+            if let Some(s) = native.seconds(128, n) {
+                points.push((n as f64, s / one));
+            }
+        }
+        series.push((model.name.to_string(), points));
+        json_models.push(json!({
+            "model": model.name,
+            "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
+            "weight_bytes_per_token": native.weight_bytes,
+            "macs_per_token": native.macs,
+            "floor_tokens_per_s": 1.0 / floor,
+            "grows_from_nodes": grow_from,
+            "native": native.forwards.iter().map(|f| json!({"context": f.0, "nodes": f.1, "ms": f.2 * 1e3})).collect::<Vec<_>>(),
+            "avx2": avx2.forwards.iter().map(|f| json!({"context": f.0, "nodes": f.1, "ms": f.2 * 1e3})).collect::<Vec<_>>(),
+        }));
+    }
+    let plot = out.join("engine.svg");
+    let named: Vec<(&str, Vec<(f64, f64)>)> = series.iter().map(|(n, p)| (n.as_str(), p.clone())).collect();
+    plot_lines(&plot, "Tree forward cost against nodes (native path, 128 cached)", "nodes", "cost(n) / cost(1)", &named)?;
+    md += &curves_md;
+    md += "\n![cost against nodes](engine.svg)\n\n";
+    Ok(Section {
+        key: "engine",
+        json: json!({
+            "threads": threads,
+            "cpu_flags": flags,
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "int8_peak_macs_per_s": {"native": peak_native, "avx2": peak_avx2, "native_is_avx512_vnni": native_avx512},
+            "models": json_models,
+        }),
+        markdown: md,
+    })
+}
