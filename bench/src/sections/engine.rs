@@ -311,6 +311,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
     let cache = fetch::cache_dir();
     let (reps, contexts) = if quick { (3, "128") } else { (7, "128,1024") };
     let exe = llama_bench(&cache)?;
+    // Probed again beside each model's runs (a shared host's bandwidth moves between minutes).
     let bandwidth = read_bandwidth(threads)?;
     let native_avx512 = std::env::var_os("SPECINFER_NO_AVX512").is_none()
         && cfg!(target_arch = "x86_64")
@@ -338,13 +339,13 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          `-t {threads} -p 8,32 -n 32 -r {reps}`, on the same GGUF file in the same run. Ours: one sequence's tree forward \
          (a bushy tree, node i under node i/2) over cached prompts, median of {reps}, in a child process each for the best \
          path here and for `SPECINFER_NO_AVX512=1` (the AVX2 path).\n\n\
-         Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** (best of 5 passes over 1 GiB, \
-         {threads} threads); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
+         Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** at the start (best of 5 passes \
+         over 1 GiB, {threads} threads; probed again beside each model, the figure its floor uses); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
          (8 independent accumulators per thread). The decode floor is the weight bytes one token reads / bandwidth; extra \
          nodes cost only multiply-adds until nodes x MACs / peak outlasts the read, so the forward may grow from \
          n* = floor x peak / MACs.\n\n\
-         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | floor tok/s | floor / ours | n* native |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n",
+         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | bandwidth GB/s (probed beside it) | floor tok/s | floor / ours | n* native |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
         flags.join(", "),
         bandwidth / 1e9,
         peak_native / 1e9,
@@ -358,6 +359,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         let gguf = fetch::ensure_with(model.source, &cache, &mut |e| eprintln!("[engine] {e}"))?;
         eprintln!("[engine] {}", model.name);
         let llama = llama_cpp_rates(&exe, &gguf, &cores, threads, reps)?;
+        let bandwidth = read_bandwidth(threads)?;
         let native = our_curve(&gguf, &cores, &[], contexts, reps)?;
         let avx2 = our_curve(&gguf, &cores, &[("SPECINFER_NO_AVX512", "1")], contexts, reps)?;
         let rate = |n_prompt, n_gen| llama.iter().find(|r| r.0 == n_prompt && r.1 == n_gen).map(|r| r.2);
@@ -369,13 +371,14 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         let floor = native.weight_bytes / bandwidth;
         let grow_from = floor * peak_native / native.macs;
         md += &format!(
-            "| {} | {tg:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x | {:.0} | {:.1} | {:.2} | {grow_from:.1} |\n",
+            "| {} | {tg:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x | {:.0} | {:.1} | {:.1} | {:.2} | {grow_from:.1} |\n",
             model.name,
             1.0 / one,
             1.0 / one / tg,
             1.0 / one_avx2,
             1.0 / one_avx2 / tg,
             native.weight_bytes / 1e6,
+            bandwidth / 1e9,
             1.0 / floor,
             floor / one,
         );
@@ -423,6 +426,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
             "weight_bytes_per_token": native.weight_bytes,
             "macs_per_token": native.macs,
+            "read_bandwidth_bytes_per_s": bandwidth,
             "floor_tokens_per_s": 1.0 / floor,
             "grows_from_nodes": grow_from,
             "native": native.forwards.iter().map(|f| json!({"context": f.0, "nodes": f.1, "ms": f.2 * 1e3})).collect::<Vec<_>>(),
