@@ -331,7 +331,11 @@ impl WeightBuffer {
             if tail > 0 {
                 libc::munmap((start + mapped) as *mut libc::c_void, tail);
             }
-            libc::madvise(start as *mut libc::c_void, len / HUGE * HUGE, libc::MADV_HUGEPAGE);
+            libc::madvise(
+                start as *mut libc::c_void,
+                len / HUGE * HUGE,
+                libc::MADV_HUGEPAGE,
+            );
         }
         let start = std::ptr::NonNull::new(start as *mut u8)?;
         Some(WeightBuffer(Storage::Mapped { start, mapped, len }))
@@ -502,17 +506,22 @@ impl QuantMatrix {
         if !self.format.nibbles() {
             return packed[k * GROUP_BYTES + byte];
         }
-        let nibble = (packed[(k % half) * GROUP_BYTES + byte] >> if k >= half { 4 } else { 0 }) & 0xF;
+        let nibble =
+            (packed[(k % half) * GROUP_BYTES + byte] >> if k >= half { 4 } else { 0 }) & 0xF;
         match self.format.high_bits() {
             0 => nibble,
-            high => nibble | ((packed[half * GROUP_BYTES + byte] >> (k * high)) & ((1 << high) - 1)) << 4,
+            high => {
+                nibble
+                    | ((packed[half * GROUP_BYTES + byte] >> (k * high)) & ((1 << high) - 1)) << 4
+            }
         }
     }
 
     /// Row `r`'s scale of block `s`, as the kernels compute it.
     fn scale(&self, r: usize, s: usize) -> f32 {
         let (g, lane) = (r / ROWS, r % ROWS);
-        let d = f16(self.scales[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
+        let d =
+            f16(self.scales[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
         let code = self.scale_codes.get((g * self.blocks + s) * ROWS + lane);
         match (self.format, code) {
             (QuantFormat::Q6_K, Some(&c)) => d * c as i8 as f32,
@@ -524,7 +533,8 @@ impl QuantMatrix {
     /// Row `r`'s min of block `s` (formats with a min).
     fn min(&self, r: usize, s: usize) -> f32 {
         let (g, lane) = (r / ROWS, r % ROWS);
-        let m = f16(self.mins[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
+        let m =
+            f16(self.mins[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
         match self.min_codes.get((g * self.blocks + s) * ROWS + lane) {
             Some(&c) => m * c as f32,
             None => m,
@@ -659,7 +669,13 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
     }
     let acts: Vec<&QuantizedActs> = mats
         .iter()
-        .map(|m| &formats.iter().find(|(f, _)| *f == m.format).expect("quantized above").1)
+        .map(|m| {
+            &formats
+                .iter()
+                .find(|(f, _)| *f == m.format)
+                .expect("quantized above")
+                .1
+        })
         .collect();
     let outs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
     let tasks: Vec<(usize, usize)> = mats
@@ -968,7 +984,14 @@ macro_rules! x86_path {
                     return d;
                 }
                 let code = m.scale_codes.as_ptr().add(set.p + s * ROWS);
-                mul_f(d, if signed { load_i8_f(code) } else { load_u8_f(code) })
+                mul_f(
+                    d,
+                    if signed {
+                        load_i8_f(code)
+                    } else {
+                        load_u8_f(code)
+                    },
+                )
             }
 
             /// `set`'s mins of block `s`, likewise.
@@ -1223,9 +1246,8 @@ macro_rules! x86_path {
                             }
                         }
                     }
-                    let sc: [F; S] = std::array::from_fn(|j| {
-                        block_scales::<PER>(m, &sets[j], s, HIGH == 2)
-                    });
+                    let sc: [F; S] =
+                        std::array::from_fn(|j| block_scales::<PER>(m, &sets[j], s, HIGH == 2));
                     for t in 0..T {
                         let ab = (i0 + t) * m.blocks + s;
                         let corr = splat_i(*a.corr.get_unchecked(ab));
@@ -1234,7 +1256,11 @@ macro_rules! x86_path {
                             let [c0, c1] = isum[t][j];
                             let v = add_i(c0, if split { shr4_i(c1) } else { c1 });
                             // Formats with a min have zero point 0: nothing to subtract.
-                            let v = if (Q8 && CENTERS_Q8) || MINS { v } else { sub_i(v, corr) };
+                            let v = if (Q8 && CENTERS_Q8) || MINS {
+                                v
+                            } else {
+                                sub_i(v, corr)
+                            };
                             acc[t][j] = fmadd_f(to_f(v), mul_f(sc[j], da), acc[t][j]);
                         }
                     }
@@ -1243,8 +1269,7 @@ macro_rules! x86_path {
                 // the integer loop's registers free.
                 if MINS {
                     for s in 0..m.blocks {
-                        let mn: [F; S] =
-                            std::array::from_fn(|j| block_mins::<PER>(m, &sets[j], s));
+                        let mn: [F; S] = std::array::from_fn(|j| block_mins::<PER>(m, &sets[j], s));
                         for t in 0..T {
                             let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
                             for j in 0..S {
@@ -1414,9 +1439,17 @@ mod tests {
         let (data, want) = ggml(GgmlDType::Q4_1, rows, cols, &mut rng);
         let m = QuantMatrix::from_ggml(QuantFormat::Q4_1, rows, cols, &data).unwrap();
         #[cfg(target_os = "linux")]
-        assert!(matches!(m.qs.0, Storage::Mapped { .. }), "{} bytes on the heap", m.qs.len());
+        assert!(
+            matches!(m.qs.0, Storage::Mapped { .. }),
+            "{} bytes on the heap",
+            m.qs.len()
+        );
         for r in [0, 1000, rows - 1] {
-            assert_eq!(m.dequantize_row(r), &want[r * cols..(r + 1) * cols], "row {r}");
+            assert_eq!(
+                m.dequantize_row(r),
+                &want[r * cols..(r + 1) * cols],
+                "row {r}"
+            );
         }
         let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut portable = vec![0f32; n * rows];
@@ -1435,7 +1468,11 @@ mod tests {
             let (rows, cols) = (32, 512);
             let (data, _) = ggml(dtype, rows, cols, &mut rng);
             let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
-            let extra = if format == QuantFormat::Q4_K { rows * cols / 256 * 4 } else { 0 };
+            let extra = if format == QuantFormat::Q4_K {
+                rows * cols / 256 * 4
+            } else {
+                0
+            };
             assert!(
                 m.bytes() <= data.len() + extra,
                 "{format:?}: {} bytes repacked, {} in GGML",

@@ -48,7 +48,11 @@ fn manifests_pass_the_kubernetes_schemas() {
     // The validator can fail: a field of the wrong type is refused.
     let text = std::fs::read_to_string(&manifest).unwrap();
     let broken = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
-    std::fs::write(broken.path(), text.replace("replicas: 3", "replicas: three")).unwrap();
+    std::fs::write(
+        broken.path(),
+        text.replace("replicas: 3", "replicas: three"),
+    )
+    .unwrap();
     let out = validate(broken.path()).unwrap();
     assert!(!out.status.success(), "a broken manifest passed");
 }

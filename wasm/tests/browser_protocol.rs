@@ -60,7 +60,8 @@ fn page_files_are_built_by_several_tests_at_once() {
         .collect();
     for call in calls {
         let (_, tok, tokenizer_json, chat_json) = call.join().unwrap();
-        let back = Tokenizer::from_json(&tokenizer_json, tok.bos(), tok.eos().to_vec(), None).unwrap();
+        let back =
+            Tokenizer::from_json(&tokenizer_json, tok.bos(), tok.eos().to_vec(), None).unwrap();
         assert_eq!(back.sha256(), tok.sha256());
         let text = "Name two oceans.";
         assert_eq!(back.encode(text).unwrap(), tok.encode(text).unwrap());

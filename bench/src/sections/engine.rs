@@ -72,13 +72,7 @@ impl Curve {
                 .as_array()
                 .context("forwards")?
                 .iter()
-                .map(|f| {
-                    Ok((
-                        num(&f[0])? as usize,
-                        num(&f[1])? as usize,
-                        num(&f[2])?,
-                    ))
-                })
+                .map(|f| Ok((num(&f[0])? as usize, num(&f[1])? as usize, num(&f[2])?)))
                 .collect::<Result<_>>()?,
         })
     }
@@ -87,7 +81,8 @@ impl Curve {
 /// The child's side: times our forward on `gguf` and prints the curve as one JSON line.
 pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
     let (llm, tok) = load_gguf(gguf)?;
-    let prompt = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")?;
+    let prompt =
+        tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")?;
     let weights = llm.per_token_weights();
     let mut forwards = Vec::new();
     for &context in contexts {
@@ -108,13 +103,24 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
 }
 
 /// Runs [`child`] in a process of its own on `cores`, with `env` set.
-fn our_curve(gguf: &Path, cores: &str, env: &[(&str, &str)], contexts: &str, reps: usize) -> Result<Curve> {
+fn our_curve(
+    gguf: &Path,
+    cores: &str,
+    env: &[(&str, &str)],
+    contexts: &str,
+    reps: usize,
+) -> Result<Curve> {
     let out = Command::new("taskset")
         .args(["-c", cores])
         .arg(std::env::current_exe()?)
         .arg("--engine-curve")
         .arg(gguf)
-        .args(["--engine-contexts", contexts, "--engine-reps", &reps.to_string()])
+        .args([
+            "--engine-contexts",
+            contexts,
+            "--engine-reps",
+            &reps.to_string(),
+        ])
         .envs(env.iter().copied())
         .stderr(Stdio::inherit())
         .output()
@@ -151,12 +157,28 @@ fn llama_bench(cache: &Path) -> Result<PathBuf> {
         // The sdist's build backend and the build tools, from PyPI (no compiler download).
         run(
             "installing cmake, ninja and scikit-build-core from PyPI",
-            Command::new("python3").args(["-m", "pip", "install", "--quiet", "cmake", "ninja", "scikit-build-core"]),
+            Command::new("python3").args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "cmake",
+                "ninja",
+                "scikit-build-core",
+            ]),
         )?;
         run(
             &format!("downloading the {LLAMA_CPP_PYTHON} sdist"),
             Command::new("python3")
-                .args(["-m", "pip", "download", "--no-deps", "--no-build-isolation", "--quiet", "-d"])
+                .args([
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--no-build-isolation",
+                    "--quiet",
+                    "-d",
+                ])
                 .arg(&dir)
                 .arg(LLAMA_CPP_PYTHON),
         )?;
@@ -178,7 +200,12 @@ fn llama_bench(cache: &Path) -> Result<PathBuf> {
             .arg(&src)
             .arg("-B")
             .arg(dir.join("build"))
-            .args(["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON"])
+            .args([
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+            ])
             .args(["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]),
     )?;
     run(
@@ -192,13 +219,30 @@ fn llama_bench(cache: &Path) -> Result<PathBuf> {
 }
 
 /// llama.cpp's tokens/s on `gguf`: `(n_prompt, n_gen) -> avg_ts` for tg32, pp8 and pp32.
-fn llama_cpp_rates(exe: &Path, gguf: &Path, cores: &str, threads: usize, reps: usize) -> Result<Vec<(u64, u64, f64)>> {
+fn llama_cpp_rates(
+    exe: &Path,
+    gguf: &Path,
+    cores: &str,
+    threads: usize,
+    reps: usize,
+) -> Result<Vec<(u64, u64, f64)>> {
     let out = Command::new("taskset")
         .args(["-c", cores])
         .arg(exe)
         .arg("-m")
         .arg(gguf)
-        .args(["-t", &threads.to_string(), "-p", "8,32", "-n", "32", "-r", &reps.to_string(), "-o", "json"])
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            "8,32",
+            "-n",
+            "32",
+            "-r",
+            &reps.to_string(),
+            "-o",
+            "json",
+        ])
         .stderr(Stdio::null())
         .output()
         .context("running llama-bench")?;
@@ -223,7 +267,9 @@ fn llama_cpp_rates(exe: &Path, gguf: &Path, cores: &str, threads: usize, reps: u
 /// 1 GiB buffer (far beyond every cache).
 fn read_bandwidth(threads: usize) -> Result<f64> {
     use rayon::prelude::*;
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
     let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect();
     let bytes = (buf.len() * 8) as f64;
     let mut best = f64::MAX;
@@ -243,7 +289,9 @@ fn read_bandwidth(threads: usize) -> Result<f64> {
 /// The int8 multiply-add peak on `threads` threads (MACs/s) of the instruction the engine's
 /// path uses: `vpdpbusd` on 512 bits, or AVX2's `vpmaddubsw` + `vpmaddwd` + `vpaddd`.
 fn int8_peak(threads: usize, avx512: bool) -> Result<f64> {
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
     const ITERS: u64 = 20_000_000;
     let mut best = f64::MAX;
     let mut macs_per_iter = 0.0;
@@ -293,7 +341,11 @@ mod x86 {
 
     #[target_feature(enable = "avx2")]
     pub unsafe fn avx2(iters: u64) {
-        let (w, x, ones) = (_mm256_set1_epi8(3), _mm256_set1_epi8(5), _mm256_set1_epi16(1));
+        let (w, x, ones) = (
+            _mm256_set1_epi8(3),
+            _mm256_set1_epi8(5),
+            _mm256_set1_epi16(1),
+        );
         let mut acc = [_mm256_setzero_si256(); 8];
         for _ in 0..iters {
             for a in acc.iter_mut() {
@@ -325,14 +377,23 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
         peak_avx2 / 1e9
     );
-    let flags: Vec<&str> = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16"]
-        .into_iter()
-        .filter(|f| {
-            std::fs::read_to_string("/proc/cpuinfo")
-                .map(|c| c.split_whitespace().any(|w| w == *f))
-                .unwrap_or(false)
-        })
-        .collect();
+    let flags: Vec<&str> = [
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512_vnni",
+        "avx_vnni",
+        "avx512_bf16",
+    ]
+    .into_iter()
+    .filter(|f| {
+        std::fs::read_to_string("/proc/cpuinfo")
+            .map(|c| c.split_whitespace().any(|w| w == *f))
+            .unwrap_or(false)
+    })
+    .collect();
     let mut md = format!(
         "## The CPU engine beside llama.cpp\n\nThreads: {threads}, every process pinned to cores {cores} (`taskset`). \
          CPU flags: {}. llama.cpp: `llama-bench` from the `{LLAMA_CPP_PYTHON}` sdist (cmake Release, `GGML_NATIVE=ON`), \
@@ -361,8 +422,19 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         let llama = llama_cpp_rates(&exe, &gguf, &cores, threads, reps)?;
         let bandwidth = read_bandwidth(threads)?;
         let native = our_curve(&gguf, &cores, &[], contexts, reps)?;
-        let avx2 = our_curve(&gguf, &cores, &[("SPECINFER_NO_AVX512", "1")], contexts, reps)?;
-        let rate = |n_prompt, n_gen| llama.iter().find(|r| r.0 == n_prompt && r.1 == n_gen).map(|r| r.2);
+        let avx2 = our_curve(
+            &gguf,
+            &cores,
+            &[("SPECINFER_NO_AVX512", "1")],
+            contexts,
+            reps,
+        )?;
+        let rate = |n_prompt, n_gen| {
+            llama
+                .iter()
+                .find(|r| r.0 == n_prompt && r.1 == n_gen)
+                .map(|r| r.2)
+        };
         let tg = rate(0, 32).context("llama-bench gave no tg32")?;
         let (one, one_avx2) = (
             native.seconds(128, 1).context("no 1-node forward")?,
@@ -434,8 +506,17 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         }));
     }
     let plot = out.join("engine.svg");
-    let named: Vec<(&str, Vec<(f64, f64)>)> = series.iter().map(|(n, p)| (n.as_str(), p.clone())).collect();
-    plot_lines(&plot, "Tree forward cost against nodes (native path, 128 cached)", "nodes", "cost(n) / cost(1)", &named)?;
+    let named: Vec<(&str, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(n, p)| (n.as_str(), p.clone()))
+        .collect();
+    plot_lines(
+        &plot,
+        "Tree forward cost against nodes (native path, 128 cached)",
+        "nodes",
+        "cost(n) / cost(1)",
+        &named,
+    )?;
     md += &curves_md;
     md += "\n![cost against nodes](engine.svg)\n\n";
     Ok(Section {

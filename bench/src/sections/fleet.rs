@@ -81,7 +81,10 @@ impl Fleet {
     }
 
     fn spawn(&self, listen: SocketAddr, extra: &[&str]) -> Result<VerifierProcess> {
-        let (cert, key) = (self.dir.path().join("cert.pem"), self.dir.path().join("key.pem"));
+        let (cert, key) = (
+            self.dir.path().join("cert.pem"),
+            self.dir.path().join("key.pem"),
+        );
         VerifierProcess::start_with(&VerifierOptions {
             core: None,
             llm: &self.llm,
