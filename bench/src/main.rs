@@ -328,12 +328,6 @@ fn main() -> Result<()> {
             set_name,
             llm_path,
         } = loaded.as_ref().expect("loaded above");
-        let (ctx, examples, set_name, llm_path) = (
-            ctx,
-            examples.as_slice(),
-            set_name.as_str(),
-            llm_path.as_path(),
-        );
         if matches!(name, SectionName::Rtt | SectionName::Concurrency) && network.is_none() {
             network = Some(Network::new(&args, ctx)?);
         }

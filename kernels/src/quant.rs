@@ -1181,12 +1181,15 @@ macro_rules! x86_path {
                         // The last of several passes reads the weights from L1: meanwhile
                         // stream the next sets' into L2, so that memory never waits for
                         // the arithmetic (their first pass then starts from L2).
-                        let groups = groups_per_pass;
                         for set in &sets {
                             params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
-                                m, set, groups, s,
+                                m,
+                                set,
+                                groups_per_pass,
+                                s,
                             );
-                            let ahead = set.w.wrapping_add(groups * m.blocks * pb + s * pb);
+                            let ahead =
+                                set.w.wrapping_add(groups_per_pass * m.blocks * pb + s * pb);
                             for line in (0..pb).step_by(64) {
                                 prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
                                     ahead.wrapping_add(line),

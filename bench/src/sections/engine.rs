@@ -377,6 +377,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
         peak_avx2 / 1e9
     );
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let flags: Vec<&str> = [
         "avx2",
         "fma",
@@ -388,11 +389,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         "avx512_bf16",
     ]
     .into_iter()
-    .filter(|f| {
-        std::fs::read_to_string("/proc/cpuinfo")
-            .map(|c| c.split_whitespace().any(|w| w == *f))
-            .unwrap_or(false)
-    })
+    .filter(|f| cpuinfo.split_whitespace().any(|w| w == *f))
     .collect();
     let mut md = format!(
         "## The CPU engine beside llama.cpp\n\nThreads: {threads}, every process pinned to cores {cores} (`taskset`). \
