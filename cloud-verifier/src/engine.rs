@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use specinfer_model::TreeModel;
 use specinfer_speculator::{
-    AffineFit, CachedDraft, DraftMode, DraftModel, Drafter, RoundDriver, Speculator, TreeScorer,
-    TreeShape,
+    AffineFit, CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, RoundDriver, Speculator,
+    TreeScorer, TreeShape,
 };
 use specinfer_wire::{
     ErrorCode, Limits, RoundStats, SamplingParams, ServerDrafting, TokenTree, VerifierCosts,
@@ -657,8 +657,15 @@ impl<M: TreeModel> Engine<M> {
         }
         e.session.stop_sending_features();
         let params = e.session.params().clone();
+        let lookup = match drafting {
+            ServerDrafting::Lookup { max_tokens } => Some(ContextLookup {
+                max_tokens: max_tokens as usize,
+                ..ContextLookup::default()
+            }),
+            ServerDrafting::Plain | ServerDrafting::Speculative => None,
+        };
         let drafter = match drafting {
-            ServerDrafting::Plain => None,
+            ServerDrafting::Plain | ServerDrafting::Lookup { .. } => None,
             ServerDrafting::Speculative => {
                 let ssm = self.server_draft.ok_or_else(|| {
                     EngineError::new(
@@ -681,7 +688,8 @@ impl<M: TreeModel> Engine<M> {
             }
         };
         let mut driver = RoundDriver::new(e.session.tokens().to_vec(), params, drafter)
-            .map_err(|err| EngineError::new(ErrorCode::Internal, err.to_string()))?;
+            .map_err(|err| EngineError::new(ErrorCode::Internal, err.to_string()))?
+            .with_lookup(lookup);
         driver.set_limits(&self.cfg.limits);
         e.driving = Some(Driving {
             driver,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use specinfer_model::ModelError;
 use specinfer_speculator::{GenerationStats, Recovery, RoundDriver, RoundError, RoundOutput};
-use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, ServerDrafting, Verified};
+use specinfer_wire::{ErrorCode, ErrorFrame, FinishReason, Verified};
 
 use specinfer_net::{AddrsError, Remote, RemoteConfig, RemoteError, RemoteSession, VerifierAddrs};
 
@@ -281,7 +281,7 @@ impl Client {
                 let asked = if generating {
                     Ok(())
                 } else {
-                    session.generate(ServerDrafting::Plain).await
+                    session.generate(driver.server_drafting()).await
                 };
                 match asked {
                     Ok(()) => {

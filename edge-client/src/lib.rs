@@ -12,8 +12,8 @@ pub use client::{Client, ClientError, EmulatedRoundTrip, Generation};
 #[cfg(feature = "embedded-verifier")]
 pub use embedded::EmbeddedVerifier;
 pub use setup::{
-    ClientOptions, ClientSetup, Decoding, DraftBackend, DraftSource, SetupError, SetupEvent,
-    VerifierChoice,
+    catalogue_model, CatalogueModel, ClientOptions, ClientSetup, Decoding, DraftBackend,
+    DraftSource, LlmChoice, SetupError, SetupEvent, VerifierChoice, CATALOGUE,
 };
 
 /// Logs of the edge's front ends (the CLI, the desktop app) on stderr: warnings and errors

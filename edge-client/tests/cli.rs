@@ -25,8 +25,11 @@ fn generate(args: &[&str]) -> Result<serde_json::Value, String> {
 #[test]
 fn the_default_trees_generate_and_greedy_output_matches_incremental_decoding() {
     let prompt = "List the planets of the solar system, one per line.";
-    let speculative = generate(&["--prompt", prompt]).unwrap();
-    let incremental = generate(&["--prompt", prompt, "--tree", "none", "--lookup", "0"]).unwrap();
+    let speculative = generate(&["--greedy", "--prompt", prompt]).unwrap();
+    let incremental = generate(&[
+        "--greedy", "--prompt", prompt, "--tree", "none", "--lookup", "0",
+    ])
+    .unwrap();
     assert_eq!(
         speculative["token_ids"], incremental["token_ids"],
         "the default tree changed the greedy output"
@@ -49,7 +52,10 @@ fn the_default_trees_generate_and_greedy_output_matches_incremental_decoding() {
 #[test]
 fn the_feature_drafter_through_onnx_runtime_keeps_greedy_output() {
     let prompt = "Explain what a compiler does in two sentences.";
-    let incremental = generate(&["--prompt", prompt, "--tree", "none", "--lookup", "0"]).unwrap();
+    let incremental = generate(&[
+        "--greedy", "--prompt", prompt, "--tree", "none", "--lookup", "0",
+    ])
+    .unwrap();
     // A tree whole and drafting to the end: on one machine, client and verifier sharing its
     // cores, the adaptive cut and the hand-off may find that drafting does not pay.
     let feature = generate(&[
@@ -62,6 +68,7 @@ fn the_feature_drafter_through_onnx_runtime_keeps_greedy_output() {
         "--tree",
         "dynamic:16",
         "--no-hand-off",
+        "--greedy",
     ])
     .unwrap();
     assert_eq!(
@@ -72,6 +79,66 @@ fn the_feature_drafter_through_onnx_runtime_keeps_greedy_output() {
         feature["rounds"].as_u64().unwrap() < incremental["rounds"].as_u64().unwrap(),
         "no drafted token was accepted: {feature}"
     );
+}
+
+/// The most times one 4-word phrase occurs in `text` (case and punctuation aside).
+fn most_repeated_phrase(text: &str) -> usize {
+    let words: Vec<String> = text
+        .split_whitespace()
+        .map(|w| {
+            w.trim_matches(|c: char| !c.is_alphanumeric())
+                .to_lowercase()
+        })
+        .filter(|w| !w.is_empty())
+        .collect();
+    let mut counts = std::collections::HashMap::new();
+    for phrase in words.windows(4) {
+        *counts.entry(phrase).or_insert(0) += 1;
+    }
+    counts.into_values().max().unwrap_or(0)
+}
+
+#[test]
+fn readmes_first_command_answers_without_looping_and_says_what_speculation_did() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    // Greedy, this prompt loops ("A lone soul, a lone soul, ..."): the check must see it.
+    let greedy = generate(&["--greedy", "--prompt", "Write a haiku about the sea."]).unwrap();
+    let text = greedy["text"].as_str().unwrap();
+    assert!(
+        most_repeated_phrase(text) > 3,
+        "greedy no longer loops: {text:?}"
+    );
+    // README's command as printed, five times (seeded here so that a failure reproduces; the
+    // command itself draws a fresh seed per run): sampled answers, each with its summary line.
+    for seed in ["1", "2", "3", "4", "5"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_specinfer"))
+            .args([
+                "generate",
+                "--prompt",
+                "Write a haiku about the sea.",
+                "--seed",
+                seed,
+            ])
+            .current_dir(&root)
+            .output()
+            .expect("running specinfer");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let answer = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            answer.split_whitespace().count() >= 5,
+            "seed {seed}: {answer:?}"
+        );
+        assert!(
+            most_repeated_phrase(&answer) <= 3,
+            "seed {seed}: the answer repeats itself: {answer:?}"
+        );
+        let summary = stderr.lines().last().unwrap_or_default();
+        assert!(
+            summary.contains("tokens per LLM pass") && summary.contains("--tree none --lookup 0"),
+            "seed {seed}: no summary line: {stderr}"
+        );
+    }
 }
 
 /// The answers `specinfer chat` (with `args`) prints to a conversation typed on its stdin.

@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 
 use crate::{ModelError, Result};
 
+#[derive(Debug)]
 pub struct ModelSource {
     /// File name in the cache.
     pub file_name: &'static str,

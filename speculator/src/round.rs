@@ -22,7 +22,8 @@ use std::sync::Arc;
 
 use specinfer_model::{ModelError, Tokenizer};
 use specinfer_wire::{
-    FinishReason, Limits, SamplingParams, TokenTree, Verified, VerifierCosts, VerifyMode,
+    FinishReason, Limits, SamplingParams, ServerDrafting, TokenTree, Verified, VerifierCosts,
+    VerifyMode,
 };
 
 use crate::{AdaptiveLookup, ContextLookup, DraftModel, DraftedPart, HandOff, Speculator};
@@ -289,6 +290,21 @@ impl<'a> RoundDriver<'a> {
         Ok(())
     }
 
+    /// What the verifier drafts once it decodes the rest on its own: the context lookup's chain
+    /// where this driver runs one (it costs no model, and dropping it would throw away what it
+    /// gives: an answer that quotes its question or repeats itself), else nothing.
+    pub fn server_drafting(&self) -> ServerDrafting {
+        match &self.lookup {
+            Some(Lookup::Adaptive(l)) => ServerDrafting::Lookup {
+                max_tokens: l.config().max_tokens as u32,
+            },
+            Some(Lookup::Uncut(l)) => ServerDrafting::Lookup {
+                max_tokens: l.max_tokens as u32,
+            },
+            None => ServerDrafting::Plain,
+        }
+    }
+
     /// Whether the verifier decodes the rest on its own ([`RoundDriver::start_server_decoding`]).
     pub fn server_decodes(&self) -> bool {
         self.server_decodes
@@ -441,11 +457,14 @@ impl<'a> RoundDriver<'a> {
             ));
         }
         if self.server_decodes {
-            if !v.accepted_nodes.is_empty() {
+            // Nodes of the verifier's own trees: the lookup's chain is the only draft it is
+            // asked for ([`RoundDriver::server_drafting`]).
+            if v.accepted_nodes.len() > v.tokens.len() {
                 return Err(RoundError::Protocol(
-                    "a round the verifier decoded on its own accepted tree nodes".into(),
+                    "a round the verifier decoded on its own accepted more nodes than it committed tokens".into(),
                 ));
             }
+            self.stats.lookup_accepted += v.accepted_nodes.len();
             self.stats.server_rounds += 1;
             self.stats.tree_nodes += v.stats.tree_nodes as usize;
             return self.count_and_commit(v);

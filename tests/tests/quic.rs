@@ -177,6 +177,33 @@ async fn the_verifier_generating_on_its_own_gives_the_client_driven_answer() {
         spec_rounds < 48,
         "server-side speculation never accepted a draft"
     );
+    // The lookup's chain alone, what a client that handed off asks for: the same answer, in
+    // fewer rounds where the answer copies its prompt.
+    let (looked_up, _) = server_generated(
+        &remote,
+        &ids,
+        params.clone(),
+        ServerDrafting::Lookup { max_tokens: 6 },
+    )
+    .await
+    .unwrap();
+    assert_eq!(looked_up, reference.token_ids, "server-side lookup");
+    let copying =
+        chat_ids("Repeat this sentence three times: the quick brown fox jumps over the lazy dog.");
+    let copied = generate(&remote, &copying, params.clone(), None).await;
+    let (looked_up, lookup_rounds) = server_generated(
+        &remote,
+        &copying,
+        params.clone(),
+        ServerDrafting::Lookup { max_tokens: 6 },
+    )
+    .await
+    .unwrap();
+    assert_eq!(looked_up, copied.token_ids, "server-side lookup, copying");
+    assert!(
+        lookup_rounds < copied.token_ids.len(),
+        "the lookup's chain was never accepted: {lookup_rounds} rounds"
+    );
     // Sampled, seeded: plain decoding draws each token from the seed and the position, so it
     // is reproducible. Speculative sampling keeps the distribution but not the sample: the
     // adaptive tree follows the engine's measured costs (the load), and another tree consumes

@@ -209,6 +209,11 @@ pub enum ServerDrafting {
     /// The verifier's own draft model (co-located speculation); refused by a verifier started
     /// without one.
     Speculative,
+    /// The context lookup's chain alone: every round also carries up to `max_tokens` tokens
+    /// that followed the latest earlier occurrence of the context's last few tokens, cut to
+    /// what the verifier's measured costs make pay. It needs no model, so every verifier runs
+    /// it; a client that handed an answer off keeps what the lookup was giving it.
+    Lookup { max_tokens: u32 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -395,6 +400,10 @@ impl Message {
                 limits.max_prompt_tokens + limits.max_new_tokens,
             ),
             Message::Error(e) => bound("error message", e.message.len(), limits.max_message_bytes),
+            Message::Generate {
+                drafting: ServerDrafting::Lookup { max_tokens },
+                ..
+            } => bound("lookup chain", *max_tokens as usize, limits.max_tree_nodes),
             Message::SessionOpened(_)
             | Message::Close { .. }
             | Message::Resume { .. }

