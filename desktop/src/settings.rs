@@ -5,8 +5,9 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use specinfer_edge::setup::DEFAULT_SSM;
-use specinfer_edge::{ClientOptions, Decoding, DraftBackend, VerifierChoice};
+use specinfer_edge::{
+    catalogue_model, ClientOptions, Decoding, DraftBackend, LlmChoice, VerifierChoice, CATALOGUE,
+};
 use specinfer_net::Trust;
 
 /// Where the verifier is.
@@ -42,7 +43,11 @@ pub enum Backend {
 #[serde(default)]
 pub struct Settings {
     pub verifier: VerifierSetting,
-    /// The draft model: an SSM folder, a GGUF file, or "self".
+    /// The LLM: a catalogue name (`smollm2-135m`, `qwen2.5-coder-1.5b`: fetched on first use)
+    /// or a GGUF file's path.
+    pub llm: String,
+    /// The draft model: an SSM folder, a GGUF file, or "self"; empty: the LLM's own (its
+    /// catalogue entry's).
     pub draft: String,
     pub backend: Backend,
     /// `auto`, `none` or a tree shape (see `specinfer --help`).
@@ -62,7 +67,8 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             verifier: VerifierSetting::Embedded,
-            draft: DEFAULT_SSM.into(),
+            llm: CATALOGUE[0].name.into(),
+            draft: String::new(),
             backend: Backend::Candle,
             tree: "auto".into(),
             greedy: false,
@@ -138,9 +144,21 @@ impl Settings {
                 }
             }
         };
+        let llm = match self.llm.trim() {
+            name if name.ends_with(".gguf") => LlmChoice::File(PathBuf::from(name)),
+            name => LlmChoice::Catalogue(
+                catalogue_model(name).map_err(|e| SettingsError::Invalid(format!("LLM: {e}")))?,
+            ),
+        };
+        let draft = self.draft.trim();
         Ok(ClientOptions {
             verifier,
-            ssms: vec![self.draft.trim().to_string()],
+            llm,
+            ssms: if draft.is_empty() {
+                Vec::new()
+            } else {
+                vec![draft.to_string()]
+            },
             backend: match self.backend {
                 Backend::Candle => DraftBackend::Candle,
                 Backend::Onnx => DraftBackend::Onnx,
@@ -232,6 +250,30 @@ mod tests {
             .unwrap_err()
             .to_string()
             .starts_with("tree:"));
+        let llm = Settings {
+            llm: "gpt-17".into(),
+            ..Settings::default()
+        };
+        let e = llm.options(None).unwrap_err().to_string();
+        assert!(
+            e.starts_with("LLM:") && e.contains("qwen2.5-coder-1.5b"),
+            "{e}"
+        );
+        let own = Settings {
+            llm: "qwen2.5-coder-1.5b".into(),
+            ..Settings::default()
+        }
+        .options(None)
+        .unwrap();
+        assert!(own.ssms.is_empty(), "the LLM's own drafter: {:?}", own.ssms);
+        assert!(matches!(own.llm, LlmChoice::Catalogue(m) if m.name == "qwen2.5-coder-1.5b"));
+        let file = Settings {
+            llm: "/models/mine.gguf".into(),
+            ..Settings::default()
+        }
+        .options(None)
+        .unwrap();
+        assert!(matches!(file.llm, LlmChoice::File(p) if p == Path::new("/models/mine.gguf")));
         let ok = Settings::default().options(None).unwrap();
         assert!(matches!(ok.decoding, Decoding::Sample { temperature, .. } if temperature == 0.8));
     }

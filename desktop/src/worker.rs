@@ -225,7 +225,8 @@ fn describe(options: &ClientOptions, setup: &ClientSetup) -> String {
         None => "no tree (plain decoding)".into(),
     };
     format!(
-        "Ready: {verifier}, {tree}, {decoding}, {}-token context",
+        "Ready: {} answers ({verifier}), {tree}, {decoding}, {}-token context",
+        options.llm.display_name(),
         setup.context_tokens
     )
 }

@@ -30,6 +30,8 @@ pub const DEFAULT_SSM: &str = "models/ssm";
 #[derive(Debug)]
 pub struct CatalogueModel {
     pub name: &'static str,
+    /// The model's own name (the OpenAI endpoint's model id, the desktop app's status line).
+    pub title: &'static str,
     pub llm: &'static fetch::ModelSource,
     pub drafter: DefaultDrafter,
     /// One line for `--help` and the desktop app's settings.
@@ -49,12 +51,14 @@ pub enum DefaultDrafter {
 pub const CATALOGUE: &[CatalogueModel] = &[
     CatalogueModel {
         name: "smollm2-135m",
+        title: "SmolLM2-135M-Instruct",
         llm: &fetch::SMOLLM2_135M,
         drafter: DefaultDrafter::Shipped(DEFAULT_SSM),
         about: "SmolLM2-135M-Instruct (98 MB), drafted by the shipped 13 MB SSM",
     },
     CatalogueModel {
         name: "qwen2.5-coder-1.5b",
+        title: "Qwen2.5-Coder-1.5B-Instruct",
         llm: &fetch::QWEN25_CODER_15B,
         drafter: DefaultDrafter::Fetched(&fetch::QWEN25_CODER_05B),
         about:
@@ -104,7 +108,7 @@ impl LlmChoice {
     /// What to call the model (the OpenAI endpoint's model id, the desktop app's header).
     pub fn display_name(&self) -> String {
         match self {
-            LlmChoice::Catalogue(m) => m.llm.file_name.split('.').next().unwrap_or(m.name).into(),
+            LlmChoice::Catalogue(m) => m.title.into(),
             LlmChoice::File(p) => p.file_stem().map_or_else(
                 || p.display().to_string(),
                 |s| s.to_string_lossy().into_owned(),

@@ -43,6 +43,10 @@ pub struct HandOff {
     split_per_token: f64,
     /// The forward of a plain step: the batch's forward without this tree's extra nodes.
     server_per_token: f64,
+    /// Tokens per round the context lookup's chain held (moving average), which the
+    /// verifier's own rounds keep after the hand-off ([`specinfer_wire::ServerDrafting::Lookup`]):
+    /// its plain step then commits `1 + lookup_per_round` tokens. Zero without a lookup.
+    lookup_per_round: f64,
 }
 
 impl HandOff {
@@ -95,16 +99,34 @@ impl HandOff {
         self.server_per_token = ema(self.server_per_token, server);
     }
 
+    /// Takes how many of a split round's committed tokens the context lookup's chain held
+    /// (after [`HandOff::observe`] on the same round): what the verifier's own rounds, which
+    /// run the same lookup, would have committed beyond their plain step. Counted however the
+    /// tokens were accepted, so a drafter that agrees with the chain leaves its worth intact.
+    pub fn observe_lookup(&mut self, tokens: usize) {
+        let new = tokens as f64;
+        self.lookup_per_round = if self.verdicts <= 1 {
+            new
+        } else {
+            (1.0 - Self::SMOOTHING) * self.lookup_per_round + Self::SMOOTHING * new
+        };
+    }
+
     /// Whether the verifier decoding the rest on its own is cheaper per token than split rounds,
     /// once [`HandOff::MIN_ROUNDS`] rounds have been measured (or the verifier's costs stand
     /// for them).
     pub fn server_is_cheaper(&self) -> bool {
-        self.measured >= Self::MIN_ROUNDS && self.split_per_token > self.server_per_token
+        let (split, server) = self.per_token();
+        self.measured >= Self::MIN_ROUNDS && split > server
     }
 
-    /// `(split, server)` seconds per token as measured so far.
+    /// `(split, server)` seconds per token as measured so far, the server's with the lookup's
+    /// tokens its rounds would keep.
     pub fn per_token(&self) -> (f64, f64) {
-        (self.split_per_token, self.server_per_token)
+        (
+            self.split_per_token,
+            self.server_per_token / (1.0 + self.lookup_per_round),
+        )
     }
 }
 
@@ -151,6 +173,33 @@ mod tests {
             (server - 0.0075).abs() < 1e-4 && split < server,
             "{split} {server}"
         );
+    }
+
+    #[test]
+    fn the_lookups_tokens_count_for_the_verifiers_own_rounds() {
+        // Alone on a verifier whose forward barely grows with nodes (7.5 ms plain step, 0.1 ms
+        // a node): 3 tokens from a 6-node tree in 13 ms plus 6 ms of drafting, 6.3 ms a
+        // token, beat a plain step...
+        let split = |h: &mut HandOff, looked_up: usize| {
+            for _ in 0..8 {
+                h.observe(&verdict(3, 1, 8.0, 0.1), 6, 0.006, 0.013);
+                h.observe_lookup(looked_up);
+            }
+        };
+        let mut drafter_alone = HandOff::default();
+        split(&mut drafter_alone, 0);
+        assert!(
+            !drafter_alone.server_is_cheaper(),
+            "{:?}",
+            drafter_alone.per_token()
+        );
+        // ...but not the verifier's own rounds when the lookup's chain held two of the three
+        // tokens: they commit 3 tokens a step without drafting, 2.5 ms a token.
+        let mut copying = HandOff::default();
+        split(&mut copying, 2);
+        let (split_s, server_s) = copying.per_token();
+        assert!(copying.server_is_cheaper(), "{split_s} {server_s}");
+        assert!((server_s - 0.0075 / 3.0).abs() < 1e-4, "{server_s}");
     }
 
     #[test]

@@ -175,7 +175,8 @@ impl AdaptiveLookup {
 
     /// What came of the tree [`AdaptiveLookup::extend`] returned last: the tokens the round
     /// committed (accepted drafts, then the LLM's own), and the round's measured costs
-    /// (`tree_nodes` and the times as in [`RoundObservation`]).
+    /// (`tree_nodes` and the times as in [`RoundObservation`]). Returns how many of the
+    /// committed tokens the chain held (0 when the context had no match).
     pub fn observe(
         &mut self,
         committed: &[u32],
@@ -183,9 +184,9 @@ impl AdaptiveLookup {
         round_s: f64,
         queue_s: f64,
         forward_s: f64,
-    ) {
+    ) -> usize {
         let Some(chain) = self.sent.take() else {
-            return;
+            return 0;
         };
         // Past an accepted prefix of the chain the LLM emitted its own token, which differs
         // from the chain's next one (else that node would have been accepted).
@@ -208,6 +209,7 @@ impl AdaptiveLookup {
             },
             0,
         );
+        accepted
     }
 }
 

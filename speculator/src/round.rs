@@ -496,15 +496,22 @@ impl<'a> RoundDriver<'a> {
             forward_ms = forward_s * 1e3,
             "round"
         );
-        if let Some(h) = &mut self.hand_off {
-            h.observe(v, sent.tree_nodes, sent.draft_s, round_s);
-        }
         // Load-aware trees: the verifier's price of a node and, when it is busy, its cap.
         let node_price = v.stats.node_price_ns as f64 * 1e-9;
         self.node_cap = (v.stats.node_cap > 0).then_some(v.stats.node_cap as usize);
-        if let Some(Lookup::Adaptive(lookup)) = &mut self.lookup {
-            lookup.set_node_price(node_price);
-            lookup.observe(&v.tokens, sent.tree_nodes, round_s, queue_s, forward_s);
+        let looked_up = match &mut self.lookup {
+            Some(Lookup::Adaptive(lookup)) => {
+                lookup.set_node_price(node_price);
+                Some(lookup.observe(&v.tokens, sent.tree_nodes, round_s, queue_s, forward_s))
+            }
+            _ => None,
+        };
+        if let Some(h) = &mut self.hand_off {
+            h.observe(v, sent.tree_nodes, sent.draft_s, round_s);
+            // The verifier runs the same lookup once it decodes on its own.
+            if let Some(tokens) = looked_up {
+                h.observe_lookup(tokens);
+            }
         }
         if let Some(d) = &mut self.drafter {
             d.speculator.set_node_price(node_price);

@@ -226,13 +226,17 @@ pub fn llama_cpp_tool(cache: &Path, target: &str) -> Result<PathBuf> {
     Ok(exe)
 }
 
-/// llama.cpp's tokens/s on `gguf`: `(n_prompt, n_gen) -> avg_ts` for tg32, pp8 and pp32.
-fn llama_cpp_rates(
+/// llama.cpp's tokens/s on `gguf`: `(n_prompt, n_gen) -> avg_ts` for prompt processing of
+/// each of `prompts` tokens and decoding of each of `gens` (comma-separated, as llama-bench
+/// takes them; 0 leaves a kind out).
+pub fn llama_cpp_rates(
     exe: &Path,
     gguf: &Path,
     cores: &str,
     threads: usize,
     reps: usize,
+    prompts: &str,
+    gens: &str,
 ) -> Result<Vec<(u64, u64, f64)>> {
     let out = Command::new("taskset")
         .args(["-c", cores])
@@ -243,9 +247,9 @@ fn llama_cpp_rates(
             "-t",
             &threads.to_string(),
             "-p",
-            "8,32",
+            prompts,
             "-n",
-            "32",
+            gens,
             "-r",
             &reps.to_string(),
             "-o",
@@ -424,7 +428,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
     for model in &MODELS {
         let gguf = fetch::ensure_with(model.source, &cache, &mut |e| eprintln!("[engine] {e}"))?;
         eprintln!("[engine] {}", model.name);
-        let llama = llama_cpp_rates(&exe, &gguf, &cores, threads, reps)?;
+        let llama = llama_cpp_rates(&exe, &gguf, &cores, threads, reps, "8,32", "32")?;
         let bandwidth = read_bandwidth(threads)?;
         let native = our_curve(&gguf, &cores, &[], contexts, reps)?;
         let avx2 = our_curve(

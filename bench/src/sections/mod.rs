@@ -6,6 +6,7 @@ pub mod concurrency;
 pub mod engine;
 pub mod feature_draft;
 pub mod fleet;
+pub mod local;
 pub mod qwen;
 pub mod rtt;
 pub mod soak;
