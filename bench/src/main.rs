@@ -325,7 +325,7 @@ fn main() -> Result<()> {
             continue;
         }
         if name == SectionName::Local {
-            done.push(sections::local::run(args.quick, &args.out)?);
+            done.push(sections::local::run(args.quick)?);
             continue;
         }
         if loaded.is_none() {

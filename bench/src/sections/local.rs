@@ -254,7 +254,7 @@ fn prompt_sets(n: usize) -> Result<Vec<(&'static str, Vec<String>)>> {
     ])
 }
 
-pub fn run(quick: bool, out: &Path) -> Result<Section> {
+pub fn run(quick: bool) -> Result<Section> {
     let threads = rayon::current_num_threads();
     let cores = format!("0-{}", threads - 1);
     let cache = fetch::cache_dir();
@@ -263,6 +263,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
     let bench_exe = llama_cpp_tool(&cache, "llama-bench")?;
     let spec_exe = llama_cpp_tool(&cache, "llama-speculative")?;
     let sets = prompt_sets(n_prompts)?;
+    let scratch = tempfile::tempdir()?;
     let mut md = format!(
         "## Speculation on the user's own machine\n\n\
          `specinfer generate --model M --prompt-file F --max-tokens {max_new}` with its embedded verifier (client and \
@@ -294,7 +295,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         );
         let mut json_sets = Vec::new();
         for (i, (set_name, prompts)) in sets.iter().enumerate() {
-            let file = out.join(format!("local-{}-set{i}.jsonl", model.name));
+            let file = scratch.path().join(format!("{}-set{i}.jsonl", model.name));
             let lines: Vec<String> = prompts
                 .iter()
                 .map(|p| json!({ "prompt": p }).to_string())
