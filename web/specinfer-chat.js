@@ -1,4 +1,5 @@
-// <specinfer-chat server="/config.json" tree="adaptive:dynamic:32" max-tokens="256">
+// <specinfer-chat server="/config.json" tree="adaptive:dynamic:32" max-tokens="256"
+//                 temperature="0.8" top-p="0.95" persist="session">
 //
 // A chat widget for specinfer: a small speculative model drafts token trees right here, in
 // WebAssembly; the verifier (the large model, in the cloud) checks a whole tree per round over
@@ -6,21 +7,39 @@
 // large model's own. No dependencies: embed with
 //   <script type="module" src="https://VERIFIER/specinfer-chat.js"></script>
 //
-// Events: "ready" (connected), "answer" ({ids, text, stats}), "failed" (a message).
+// It keeps the conversation: every question is asked with the turns before it (the oldest
+// forgotten where the LLM's context would not hold them, by the native clients' rule, in the
+// WebAssembly), and the conversation survives a reload of the page (sessionStorage) unless
+// persist="off". Stop ends an answer after the round in flight and keeps what it had;
+// Regenerate answers the last question again; New conversation forgets it all.
+//
+// Events: "ready" (connected), "progress" ({text}: the answer so far, after each round),
+// "answer" ({ids, text, stats, stopped}), "failed" (a message).
+// Theming: the custom properties --specinfer-accent, --specinfer-background, --specinfer-text,
+// --specinfer-user-bubble, --specinfer-bot-bubble, --specinfer-font and --specinfer-radius, and
+// the parts log, message, user, bot, composer, input, send, stop, regenerate, new, status.
 import init, { BrowserClient } from "./pkg/specinfer_wasm.js";
 
 const STYLE = `
-  :host { display: block; font: 15px/1.45 system-ui, sans-serif; max-width: 46rem;
-          border: 1px solid #c9ced6; border-radius: 10px; overflow: hidden; background: #fff; }
+  :host { display: block; font: var(--specinfer-font, 15px/1.45 system-ui, sans-serif); max-width: 46rem;
+          border: 1px solid #c9ced6; border-radius: var(--specinfer-radius, 10px); overflow: hidden;
+          background: var(--specinfer-background, #fff); color: var(--specinfer-text, #202124); }
   .log { padding: 12px; min-height: 8rem; max-height: 28rem; overflow-y: auto; }
-  .msg { margin: 6px 0; padding: 8px 11px; border-radius: 8px; white-space: pre-wrap; }
-  .user { background: #e8f0fe; margin-left: 18%; }
-  .bot { background: #f3f4f6; margin-right: 8%; }
+  .msg { margin: 6px 0; padding: 8px 11px; border-radius: calc(var(--specinfer-radius, 10px) - 2px);
+         white-space: pre-wrap; }
+  .user { background: var(--specinfer-user-bubble, #e8f0fe); margin-left: 18%; }
+  .bot { background: var(--specinfer-bot-bubble, #f3f4f6); margin-right: 8%; }
   .bot.error { background: #fde8e8; color: #8a1c1c; }
+  .stopped::after { content: " (stopped)"; color: #5f6368; font-style: italic; }
   form { display: flex; gap: 8px; padding: 10px; border-top: 1px solid #e3e6ea; }
-  input { flex: 1; padding: 8px; font: inherit; border: 1px solid #c9ced6; border-radius: 6px; }
-  button { padding: 8px 14px; font: inherit; border: 0; border-radius: 6px; background: #1a73e8; color: #fff; }
-  button:disabled { background: #9fb8e8; }
+  textarea { flex: 1; padding: 8px; font: inherit; border: 1px solid #c9ced6; border-radius: 6px;
+             resize: vertical; min-height: 2.4em; }
+  button { padding: 8px 14px; font: inherit; border: 0; border-radius: 6px;
+           background: var(--specinfer-accent, #1a73e8); color: #fff; }
+  button:disabled { opacity: 0.5; }
+  button.quiet { background: transparent; color: var(--specinfer-accent, #1a73e8); padding: 2px 8px; }
+  .controls { display: flex; gap: 6px; padding: 0 10px 6px; }
+  [hidden] { display: none !important; }
   .bar { display: flex; justify-content: space-between; gap: 8px; padding: 6px 12px;
          font-size: 12.5px; color: #5f6368; background: #fafbfc; border-top: 1px solid #e3e6ea; }
   .retry { background: #c5221f; padding: 2px 10px; font-size: 12.5px; }
@@ -64,23 +83,89 @@ class SpecinferChat extends HTMLElement {
   connectedCallback() {
     const root = this.attachShadow({ mode: "open" });
     root.innerHTML = `<style>${STYLE}</style>
-      <div class="log" part="log"></div>
-      <form><input placeholder="Ask something" disabled><button disabled>Send</button></form>
-      <div class="bar"><span class="status">starting…</span><span class="stats"></span></div>`;
+      <div class="log" part="log" role="log" aria-live="polite" aria-label="Conversation"></div>
+      <form part="composer">
+        <textarea part="input" rows="1" placeholder="Ask something" aria-label="Your message" disabled></textarea>
+        <button type="submit" part="send" class="send" aria-label="Send" disabled>Send</button>
+        <button type="button" part="stop" class="stop" aria-label="Stop the answer" hidden>Stop</button>
+      </form>
+      <div class="controls">
+        <button type="button" part="regenerate" class="quiet regenerate" aria-label="Answer the last question again" hidden>Regenerate</button>
+        <button type="button" part="new" class="quiet new" aria-label="Start a new conversation">New conversation</button>
+      </div>
+      <div class="bar"><span class="status" part="status" role="status">starting…</span><span class="stats"></span></div>`;
     this.log = root.querySelector(".log");
-    this.input = root.querySelector("input");
-    this.button = root.querySelector("button");
+    this.input = root.querySelector("textarea");
+    this.button = root.querySelector(".send");
+    this.stopButton = root.querySelector(".stop");
+    this.regenerateButton = root.querySelector(".regenerate");
+    this.newButton = root.querySelector(".new");
     this.statusLine = root.querySelector(".status");
     this.statsLine = root.querySelector(".stats");
     root.querySelector("form").addEventListener("submit", (e) => {
       e.preventDefault();
-      const text = this.input.value.trim();
-      if (text) {
-        this.input.value = "";
-        this.ask(text).catch(() => {});
+      this.send();
+    });
+    // Enter sends, Shift+Enter breaks the line.
+    this.input.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey) {
+        e.preventDefault();
+        this.send();
       }
     });
+    this.stopButton.onclick = () => this.stop();
+    this.regenerateButton.onclick = () => this.regenerate().catch(() => {});
+    this.newButton.onclick = () => this.newConversation();
     this.start();
+  }
+
+  send() {
+    const text = this.input.value.trim();
+    if (text && !this.input.disabled) {
+      this.input.value = "";
+      this.ask(text).catch(() => {});
+    }
+  }
+
+  /** Ends the answer in flight after its current round; what it committed stays. */
+  stop() {
+    this.stopping = true;
+  }
+
+  /** Where the conversation is kept across reloads (null: not kept). */
+  storageKey() {
+    if (this.getAttribute("persist") === "off") return null;
+    return `specinfer-chat:${this.configUrl}`;
+  }
+
+  saveConversation() {
+    const key = this.storageKey();
+    if (key) sessionStorage.setItem(key, this.client.conversation_json());
+  }
+
+  /** The kept conversation, shown and handed to the client (after a reload). */
+  restoreConversation() {
+    const key = this.storageKey();
+    const kept = key && sessionStorage.getItem(key);
+    if (!kept) return;
+    try {
+      this.client.restore_conversation(kept);
+      for (const turn of JSON.parse(kept)) this.bubble(turn.role === "user" ? "user" : "bot", turn.content);
+      this.regenerateButton.hidden = JSON.parse(kept).length === 0;
+    } catch (e) {
+      sessionStorage.removeItem(key);
+    }
+  }
+
+  newConversation() {
+    if (this.answering) return;
+    this.client?.reset();
+    this.log.replaceChildren();
+    this.statsLine.textContent = "";
+    this.regenerateButton.hidden = true;
+    const key = this.storageKey();
+    if (key) sessionStorage.removeItem(key);
+    this.input.focus();
   }
 
   setStatus(text) {
@@ -90,6 +175,9 @@ class SpecinferChat extends HTMLElement {
   setBusy(busy) {
     this.input.disabled = busy;
     this.button.disabled = busy;
+    this.newButton.disabled = busy;
+    this.regenerateButton.disabled = busy;
+    if (!busy) this.input.focus();
   }
 
   async start() {
@@ -107,6 +195,7 @@ class SpecinferChat extends HTMLElement {
       ]);
       const tree = this.getAttribute("tree") || "adaptive:dynamic:32";
       this.client = new BrowserClient(ssmConfig, new Uint8Array(weights), tokenizer, chat, tree);
+      this.restoreConversation();
       await this.connect();
       this.dispatchEvent(new CustomEvent("ready"));
     } catch (e) {
@@ -172,17 +261,35 @@ class SpecinferChat extends HTMLElement {
   bubble(cls, text) {
     const div = document.createElement("div");
     div.className = `msg ${cls}`;
+    div.setAttribute("part", `message ${cls}`);
     div.textContent = text;
     this.log.append(div);
     this.log.scrollTop = this.log.scrollHeight;
     return div;
   }
 
-  /** Answers `text`; resolves with {ids, text, stats}. */
+  /** Answers `text`, the conversation's next question; resolves with {ids, text, stats, stopped}. */
   async ask(text, maxTokens = Number(this.getAttribute("max-tokens") || 256)) {
     this.bubble("user", text);
+    return this.answer((t, p) => this.client.open(text, maxTokens, t, p));
+  }
+
+  /** Answers the last question again, in place of the last answer. */
+  async regenerate(maxTokens = Number(this.getAttribute("max-tokens") || 256)) {
+    const last = this.log.lastElementChild;
+    if (last?.classList.contains("bot")) last.remove();
+    return this.answer((t, p) => this.client.regenerate(maxTokens, t, p));
+  }
+
+  /** Streams the answer whose OpenSession frame `opening(temperature, topP)` gives. */
+  async answer(opening) {
     const answer = this.bubble("bot", "");
     this.setBusy(true);
+    this.answering = true;
+    this.stopping = false;
+    this.stopButton.hidden = false;
+    this.regenerateButton.hidden = true;
+    let stopped = false;
     try {
       if (!this.wt) throw new Error("not connected");
       let stream = new FrameStream(await this.wt.createBidirectionalStream());
@@ -191,10 +298,15 @@ class SpecinferChat extends HTMLElement {
       // temperature="0" answers greedily, token for token the LLM's own answer.
       const temperature = Number(this.getAttribute("temperature") ?? 0.8);
       const topP = Number(this.getAttribute("top-p") ?? 0.95);
-      await stream.write(this.client.open(text, maxTokens, temperature, topP));
+      await stream.write(opening(temperature, topP));
       this.client.on_frame(await stream.readFrame(this.client));
       let reconnects = 0;
       for (;;) {
+        if (this.stopping) {
+          stopped = true;
+          answer.classList.add("stopped");
+          break;
+        }
         const frame = this.client.next_round();
         let body;
         try {
@@ -211,6 +323,7 @@ class SpecinferChat extends HTMLElement {
         }
         const event = JSON.parse(this.client.on_frame(body));
         answer.textContent += event.text;
+        this.dispatchEvent(new CustomEvent("progress", { detail: { text: answer.textContent } }));
         this.log.scrollTop = this.log.scrollHeight;
         const s = JSON.parse(this.client.stats());
         const seconds = (performance.now() - started) / 1000;
@@ -224,8 +337,10 @@ class SpecinferChat extends HTMLElement {
       const detail = {
         ids: Array.from(this.client.token_ids()),
         text: answer.textContent,
+        stopped,
         stats: { ...JSON.parse(this.client.stats()), wall_ms: performance.now() - started },
       };
+      this.saveConversation();
       this.dataset.tokenIds = detail.ids.join(",");
       this.dispatchEvent(new CustomEvent("answer", { detail }));
       return detail;
@@ -235,6 +350,9 @@ class SpecinferChat extends HTMLElement {
       this.fail(e.message || String(e));
       throw e;
     } finally {
+      this.answering = false;
+      this.stopButton.hidden = true;
+      this.regenerateButton.hidden = false;
       if (this.wt) this.setBusy(false);
     }
   }

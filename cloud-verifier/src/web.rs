@@ -74,12 +74,14 @@ pub struct DemoEndpoint {
 }
 
 /// The demo's files: the page and widget from `web_dir`, the WebAssembly from `web_dir/pkg`
-/// (built by `web/build.sh`), the SSM from `ssm_dir`, the LLM's tokenizer and chat settings,
-/// and `/config.json`.
+/// (built by `web/build.sh`), the SSM from `ssm_dir`, the LLM's tokenizer and chat settings
+/// (with its context of `context_tokens`, to which the widget trims a conversation), and
+/// `/config.json`.
 pub fn demo_files(
     web_dir: &Path,
     ssm_dir: &Path,
     tokenizer: &Tokenizer,
+    context_tokens: usize,
     endpoint: &DemoEndpoint,
 ) -> Result<WebFiles, String> {
     let files = WebFiles::default();
@@ -116,6 +118,7 @@ pub fn demo_files(
             "bos": tokenizer.bos(),
             "eos": tokenizer.eos(),
             "system": tokenizer.default_system(),
+            "context_tokens": context_tokens,
         })
         .to_string()
         .into_bytes(),

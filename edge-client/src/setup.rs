@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use specinfer_model::fetch::{self, FetchEvent};
 use specinfer_model::{
-    gguf_tokenizer_and_context, load_gguf, ChatMessage, FeatureDrafter, Llama, Tokenizer,
+    forget_oldest_exchanges, gguf_tokenizer_and_context, load_gguf, prompt_budget, ChatMessage,
+    FeatureDrafter, Llama, Tokenizer,
 };
 use specinfer_net::{NetError, RemoteConfig, Trust, VerifierAddrs};
 use specinfer_onnx::{OnnxFeatureModel, OnnxModel};
@@ -407,9 +408,11 @@ impl ClientSetup {
     /// Prompt tokens a request may use: a verifier opens a session only if the prompt, the
     /// answer's `max_new_tokens` and one tree of its `max_tree_nodes` fit the model's context.
     pub fn prompt_budget(&self, max_new_tokens: u32) -> usize {
-        let tree = Limits::default().max_tree_nodes as usize;
-        self.context_tokens
-            .saturating_sub(max_new_tokens as usize + tree)
+        prompt_budget(
+            self.context_tokens,
+            max_new_tokens,
+            Limits::default().max_tree_nodes,
+        )
     }
 
     /// Drops the oldest exchanges of a chat `history` until its prompt leaves room in the
@@ -746,58 +749,4 @@ pub fn fresh_seed() -> u64 {
         h.write_u128(t.as_nanos());
     }
     h.finish()
-}
-
-/// Drops the oldest messages, a user-assistant exchange at a time, until `fits` accepts the
-/// history or only the newest message is left (a question too long on its own is the
-/// verifier's to refuse). Returns how many were dropped.
-pub fn forget_oldest_exchanges(
-    history: &mut Vec<ChatMessage>,
-    fits: impl Fn(&[ChatMessage]) -> Result<bool>,
-) -> Result<usize> {
-    let mut dropped = 0;
-    while history.len() > 1 && !fits(history)? {
-        let n = 2.min(history.len() - 1);
-        history.drain(..n);
-        dropped += n;
-    }
-    Ok(dropped)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn history(n: usize) -> Vec<ChatMessage> {
-        (0..n)
-            .map(|i| {
-                let role = if i % 2 == 0 { "user" } else { "assistant" };
-                ChatMessage::new(role, &format!("message {i}"))
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_long_chat_forgets_its_oldest_exchanges_first() {
-        let mut h = history(7);
-        let dropped = forget_oldest_exchanges(&mut h, |h| Ok(h.len() <= 3)).unwrap();
-        assert_eq!(dropped, 4);
-        let kept: Vec<&str> = h.iter().map(|m| m.content.as_str()).collect();
-        assert_eq!(kept, ["message 4", "message 5", "message 6"]);
-        assert_eq!(
-            h[0].role, "user",
-            "the history still starts with a question"
-        );
-    }
-
-    #[test]
-    fn the_newest_question_is_kept_even_when_nothing_fits() {
-        let mut h = history(5);
-        assert_eq!(forget_oldest_exchanges(&mut h, |_| Ok(false)).unwrap(), 4);
-        assert_eq!(h.len(), 1);
-        assert_eq!(h[0].content, "message 4");
-        let mut fits = history(5);
-        assert_eq!(forget_oldest_exchanges(&mut fits, |_| Ok(true)).unwrap(), 0);
-        assert_eq!(fits.len(), 5);
-    }
 }

@@ -24,7 +24,7 @@ pub use kv::KvCache;
 pub use llama::{Llama, SeqTree, WeightCost};
 pub use load::quantize_rows_u8;
 pub use logits::{DeviceRows, Logits, SampleWalk, WalkOutcome, Want};
-pub use tokenizer::{chat_prompt, ChatMessage, Tokenizer};
+pub use tokenizer::{chat_prompt, forget_oldest_exchanges, prompt_budget, ChatMessage, Tokenizer};
 pub use tree_model::TreeModel;
 
 use std::path::PathBuf;

@@ -260,6 +260,29 @@ impl ChatMessage {
     }
 }
 
+/// Drops the oldest messages of a chat `history`, a user-assistant exchange at a time, until
+/// `fits` accepts it or only the newest message is left (a question too long on its own is the
+/// verifier's to refuse). Returns how many were dropped. Every front end that keeps a
+/// conversation (the CLI's chat, the desktop app, the browser widget) trims it by this rule.
+pub fn forget_oldest_exchanges<E>(
+    history: &mut Vec<ChatMessage>,
+    fits: impl Fn(&[ChatMessage]) -> std::result::Result<bool, E>,
+) -> std::result::Result<usize, E> {
+    let mut dropped = 0;
+    while history.len() > 1 && !fits(history)? {
+        let n = 2.min(history.len() - 1);
+        history.drain(..n);
+        dropped += n;
+    }
+    Ok(dropped)
+}
+
+/// Prompt tokens a request may use: a verifier opens a session only if the prompt, the
+/// answer's `max_new_tokens` and one tree of `max_tree_nodes` fit the model's context.
+pub fn prompt_budget(context_tokens: usize, max_new_tokens: u32, max_tree_nodes: u32) -> usize {
+    context_tokens.saturating_sub(max_new_tokens as usize + max_tree_nodes as usize)
+}
+
 /// ChatML (SmolLM2 and Qwen2.5), ending with the assistant's turn opened for generation.
 pub fn chat_prompt(messages: &[ChatMessage]) -> String {
     let mut s = String::new();
@@ -271,4 +294,48 @@ pub fn chat_prompt(messages: &[ChatMessage]) -> String {
     }
     s.push_str("<|im_start|>assistant\n");
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history(n: usize) -> Vec<ChatMessage> {
+        (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                ChatMessage::new(role, &format!("message {i}"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_long_chat_forgets_its_oldest_exchanges_first() {
+        let mut h = history(7);
+        let dropped = forget_oldest_exchanges(&mut h, |h| Ok::<_, ()>(h.len() <= 3)).unwrap();
+        assert_eq!(dropped, 4);
+        let kept: Vec<&str> = h.iter().map(|m| m.content.as_str()).collect();
+        assert_eq!(kept, ["message 4", "message 5", "message 6"]);
+        assert_eq!(
+            h[0].role, "user",
+            "the history still starts with a question"
+        );
+    }
+
+    #[test]
+    fn the_newest_question_is_kept_even_when_nothing_fits() {
+        let mut h = history(5);
+        assert_eq!(
+            forget_oldest_exchanges(&mut h, |_| Ok::<_, ()>(false)).unwrap(),
+            4
+        );
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].content, "message 4");
+        let mut fits = history(5);
+        assert_eq!(
+            forget_oldest_exchanges(&mut fits, |_| Ok::<_, ()>(true)).unwrap(),
+            0
+        );
+        assert_eq!(fits.len(), 5);
+    }
 }

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use specinfer_edge::Client;
-use specinfer_integration::{chat_ids, default_ssm_dir, smollm2, start_verifier, API_KEY};
-use specinfer_model::Llama;
+use specinfer_edge::{Client, Generation};
+use specinfer_integration::{default_ssm_dir, smollm2, start_verifier, API_KEY};
+use specinfer_model::{ChatMessage, Llama};
 use specinfer_net::ServerIdentity;
 use specinfer_speculator::{CachedDraft, DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
 use specinfer_verifier::engine::EngineConfig;
@@ -44,19 +44,14 @@ fn missing(what: &str) {
     assert!(!required, "SPECINFER_REQUIRE_BROWSER is set but {what}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_browser_widget_answers_like_the_native_client() {
-    let web_dir = repo().join("web");
-    let Some(browser) = chromium() else {
-        return missing("no Chromium found");
-    };
-    if !web_dir.join("pkg/specinfer_wasm_bg.wasm").exists() {
-        return missing("web/pkg is not built (web/build.sh)");
-    }
-    let (mut server, remote) = start_verifier(EngineConfig::default());
+/// The native client's greedy answer to `turns` (a conversation ending with a question),
+/// drafting with the same SSM as the page.
+async fn native_answer(
+    remote: &specinfer_net::RemoteConfig,
+    turns: &[ChatMessage],
+    max_tokens: u32,
+) -> Generation {
     let (_, tok) = smollm2();
-
-    // The native client, drafting with the same SSM and tree shape as the page.
     let ssm = Llama::from_safetensors(&default_ssm_dir()).unwrap();
     let mut client = Client::connect(remote.clone()).await.unwrap();
     let drafter = Drafter {
@@ -69,40 +64,105 @@ async fn the_browser_widget_answers_like_the_native_client() {
     };
     let params = SamplingParams {
         stop_ids: tok.eos().to_vec(),
-        ..SamplingParams::greedy(MAX_TOKENS)
+        ..SamplingParams::greedy(max_tokens)
     };
-    let mut driver = RoundDriver::new(chat_ids(PROMPT), params, Some(drafter)).unwrap();
-    let native = client.generate(&mut driver, |_| {}).await.unwrap();
+    let ids = tok.encode(&tok.chat_prompt(turns)).unwrap();
+    let mut driver = RoundDriver::new(ids, params, Some(drafter)).unwrap();
+    let answer = client.generate(&mut driver, |_| {}).await.unwrap();
     client.shutdown().await;
+    answer
+}
 
-    let identity = ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"]).unwrap();
-    let wt = server
-        .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
+/// A verifier serving the demo page (WebTransport and HTTP), and the reports its page sends.
+struct DemoPage {
+    server: specinfer_verifier::service::RunningVerifier,
+    remote: specinfer_net::RemoteConfig,
+    web: std::net::SocketAddr,
+    browser: PathBuf,
+    reported: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl DemoPage {
+    /// `None` (and why, said) when Chromium or the built widget is missing.
+    async fn start() -> Option<DemoPage> {
+        let web_dir = repo().join("web");
+        let Some(browser) = chromium() else {
+            missing("no Chromium found");
+            return None;
+        };
+        if !web_dir.join("pkg/specinfer_wasm_bg.wasm").exists() {
+            missing("web/pkg is not built (web/build.sh)");
+            return None;
+        }
+        let (mut server, remote) = start_verifier(EngineConfig::default());
+        let (llm, tok) = smollm2();
+        let identity =
+            ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"]).unwrap();
+        let wt = server
+            .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
+            .unwrap();
+        let files = demo_files(
+            &web_dir,
+            &default_ssm_dir(),
+            tok,
+            llm.config().max_positions,
+            &DemoEndpoint {
+                webtransport_port: wt.port(),
+                certificate_sha256: identity.fingerprint(),
+                api_key: Some(API_KEY.into()),
+            },
+        )
         .unwrap();
-    let files = demo_files(
-        &web_dir,
-        &default_ssm_dir(),
-        tok,
-        &DemoEndpoint {
-            webtransport_port: wt.port(),
-            certificate_sha256: identity.fingerprint(),
-            api_key: Some(API_KEY.into()),
-        },
-    )
-    .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let web = listener.local_addr().unwrap();
-    let (reports, mut reported) = tokio::sync::mpsc::unbounded_channel();
-    let app = web::router(files, Vec::new()).merge(page_hooks(reports));
-    tokio::spawn(specinfer_net::http::serve(listener, app));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let web = listener.local_addr().unwrap();
+        let (reports, reported) = tokio::sync::mpsc::unbounded_channel();
+        let app = web::router(files, Vec::new()).merge(page_hooks(reports));
+        tokio::spawn(specinfer_net::http::serve(listener, app));
+        Some(DemoPage {
+            server,
+            remote,
+            web,
+            browser,
+            reported,
+        })
+    }
 
-    let url = format!(
-        "http://{web}/?prompt={}&max_tokens={MAX_TOKENS}&temperature=0",
-        PROMPT.replace(' ', "%20")
-    );
+    /// The page asking `prompts` in turn (one conversation), greedy, `extra` query parameters
+    /// added; its report (the last answer, and all of them under "answers").
+    async fn ask(
+        &mut self,
+        prompts: &[&str],
+        max_tokens: u32,
+        extra: &str,
+        screenshot: Option<&Path>,
+    ) -> serde_json::Value {
+        let asked: String = prompts
+            .iter()
+            .map(|p| format!("prompt={}&", p.replace(' ', "%20").replace('?', "%3F")))
+            .collect();
+        let url = format!(
+            "http://{}/?{asked}max_tokens={max_tokens}&temperature=0{extra}",
+            self.web
+        );
+        run_page(&self.browser, &url, screenshot, &mut self.reported).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_browser_widget_answers_like_the_native_client() {
+    let Some(mut page) = DemoPage::start().await else {
+        return;
+    };
+    let native = native_answer(
+        &page.remote,
+        &[ChatMessage::new("user", PROMPT)],
+        MAX_TOKENS,
+    )
+    .await;
+
     // First in real time (the page's clocks run: tokens/s and the SSM's drafting speed), then
     // under virtual time for a screenshot taken once the answer is in.
-    let report = run_page(&browser, &url, None, &mut reported).await;
+    let report = page.ask(&[PROMPT], MAX_TOKENS, "", None).await;
     let stats = &report["stats"];
     let secs = |ms: &serde_json::Value| ms.as_f64().unwrap_or(0.0) / 1e3;
     eprintln!(
@@ -125,7 +185,7 @@ async fn the_browser_widget_answers_like_the_native_client() {
 
     let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("browser-e2e.png");
     let _ = std::fs::remove_file(&shot);
-    let report = run_page(&browser, &url, Some(&shot), &mut reported).await;
+    let report = page.ask(&[PROMPT], MAX_TOKENS, "", Some(&shot)).await;
     assert_eq!(
         report_ids(&report),
         native.token_ids,
@@ -137,7 +197,80 @@ async fn the_browser_widget_answers_like_the_native_client() {
         shot.display()
     );
     eprintln!("screenshot of the widget: {}", shot.display());
-    server.shutdown().await;
+    page.server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() {
+    let Some(mut page) = DemoPage::start().await else {
+        return;
+    };
+    let questions = ["What is the capital of France?", "And of Italy?"];
+    // The native client's conversation: its first answer, then the second question asked with
+    // both turns before it.
+    let first = native_answer(
+        &page.remote,
+        &[ChatMessage::new("user", questions[0])],
+        MAX_TOKENS,
+    )
+    .await;
+    // The answer's text as streamed: its tokens decoded, end-of-turn left out.
+    let (_, tok) = smollm2();
+    let visible: Vec<u32> = first
+        .token_ids
+        .iter()
+        .copied()
+        .filter(|t| !tok.eos().contains(t))
+        .collect();
+    let turns = [
+        ChatMessage::new("user", questions[0]),
+        ChatMessage::new("assistant", &tok.decode(&visible).unwrap()),
+        ChatMessage::new("user", questions[1]),
+    ];
+    let second = native_answer(&page.remote, &turns, MAX_TOKENS).await;
+    let hits = |page: &DemoPage| {
+        page.server
+            .metrics()
+            .prefix_hits
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let hits_before = hits(&page);
+    let report = page.ask(&questions, MAX_TOKENS, "", None).await;
+    let answers = report["answers"].as_array().expect("both answers");
+    assert_eq!(
+        report_ids(&answers[0]),
+        first.token_ids,
+        "the first answers differ"
+    );
+    assert_eq!(
+        report_ids(&answers[1]),
+        second.token_ids,
+        "the second answer is not the native client's for the whole conversation"
+    );
+    assert!(
+        hits(&page) > hits_before,
+        "the verifier's prefix cache served no earlier turn"
+    );
+
+    // Stop, once the answer has 40 characters: it ends after the round in flight, keeping a
+    // prefix of the whole answer.
+    let story = "Write a long story about a dragon who learns to cook.";
+    let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
+    assert_eq!(whole.token_ids.len(), 200, "the story is long");
+    let report = page.ask(&[story], 200, "&stop_at=40", None).await;
+    let stopped = report_ids(&report);
+    assert_eq!(report["stopped"], true, "{report}");
+    assert!(
+        !stopped.is_empty() && stopped.len() < whole.token_ids.len(),
+        "stopped after {} tokens",
+        stopped.len()
+    );
+    assert_eq!(
+        stopped[..],
+        whole.token_ids[..stopped.len()],
+        "the stopped answer is not a prefix of the whole one"
+    );
+    page.server.shutdown().await;
 }
 
 /// The test's own routes beside the demo's (the verifier serves none of them): the page POSTs

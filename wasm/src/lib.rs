@@ -11,7 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde::Deserialize;
-use specinfer_model::{ChatMessage, FeatureDrafter, Llama, Tokenizer};
+use specinfer_model::{
+    forget_oldest_exchanges, prompt_budget, ChatMessage, FeatureDrafter, Llama, Tokenizer,
+};
 use specinfer_speculator::{
     CachedDraft, ContextLookup, DraftMode, DraftModel, Drafter, FeatureDraft, GenerationStats,
     Recovery, RoundDriver, RoundError, RoundOutput, Speculator, TreeShape,
@@ -54,6 +56,21 @@ struct ChatSettings {
     bos: Option<u32>,
     eos: Vec<u32>,
     system: Option<String>,
+    /// The LLM's context, in tokens: a conversation is trimmed to fit it.
+    #[serde(default = "default_context_tokens")]
+    context_tokens: usize,
+}
+
+/// The context assumed when `chat.json` does not give one (every shipped LLM has at least it).
+fn default_context_tokens() -> usize {
+    2048
+}
+
+/// A turn of the conversation as the page keeps it (sessionStorage).
+#[derive(serde::Serialize, Deserialize)]
+struct Turn {
+    role: String,
+    content: String,
 }
 
 /// One browser chat: an SSM drafting through the shared round driver, and the protocol state of
@@ -73,6 +90,13 @@ pub struct BrowserClient {
     resume_token: [u8; 16],
     /// A Resume was sent and its answer is awaited.
     resuming: bool,
+    /// The conversation before the answer being generated (or the last one): user and
+    /// assistant turns, oldest first.
+    history: Vec<ChatMessage>,
+    /// The answer's text so far (its streamed pieces), joined to `history` when the next
+    /// question comes: stopped answers keep what they had.
+    answer: Option<String>,
+    context_tokens: usize,
 }
 
 /// Milliseconds since some fixed origin (for draft timing only).
@@ -141,6 +165,9 @@ impl BrowserClient {
             round: 0,
             resume_token: [0; 16],
             resuming: false,
+            history: Vec::new(),
+            answer: None,
+            context_tokens: settings.context_tokens,
         })
     }
 
@@ -153,9 +180,11 @@ impl BrowserClient {
         }))
     }
 
-    /// Starts a new answer to `user_message`, sampled at `temperature` and `top_p` with a fresh
-    /// seed (speculative sampling: distributed as the LLM's own sampling), or greedy at
-    /// temperature 0 (token-identical to the LLM alone).
+    /// Starts the answer to `user_message`, the conversation's next question (the whole
+    /// conversation is the prompt, its oldest exchanges forgotten where it would not leave room
+    /// for the answer in the LLM's context, by the native front ends' rule), sampled at
+    /// `temperature` and `top_p` with a fresh seed (speculative sampling: distributed as the
+    /// LLM's own sampling), or greedy at temperature 0 (token-identical to the LLM alone).
     pub fn open(
         &mut self,
         user_message: &str,
@@ -163,10 +192,110 @@ impl BrowserClient {
         temperature: f32,
         top_p: f32,
     ) -> Result<Vec<u8>, BrowserError> {
-        let text = self
+        self.keep_answer();
+        self.history.push(ChatMessage::new("user", user_message));
+        self.open_answer(max_tokens, temperature, top_p)
+    }
+
+    /// Answers the last question again, the last answer (whole or stopped) forgotten.
+    pub fn regenerate(
+        &mut self,
+        max_tokens: u32,
+        temperature: f32,
+        top_p: f32,
+    ) -> Result<Vec<u8>, BrowserError> {
+        if self.answer.take().is_none()
+            && self.history.last().is_some_and(|m| m.role == "assistant")
+        {
+            self.history.pop();
+        }
+        if !self.history.last().is_some_and(|m| m.role == "user") {
+            return Err(BrowserError::Protocol("no question to answer again".into()));
+        }
+        self.open_answer(max_tokens, temperature, top_p)
+    }
+
+    /// Forgets the conversation (a new one starts with the next question).
+    pub fn reset(&mut self) {
+        self.history.clear();
+        self.answer = None;
+    }
+
+    /// The conversation so far, the answer being generated included (once it has text), as JSON
+    /// `[{"role","content"}, ...]` (what the page keeps in sessionStorage).
+    pub fn conversation_json(&self) -> String {
+        let mut turns: Vec<Turn> = self
+            .history
+            .iter()
+            .map(|m| Turn {
+                role: m.role.clone(),
+                content: m.content.clone(),
+            })
+            .collect();
+        if let Some(a) = self.answer.as_ref().filter(|a| !a.is_empty()) {
+            turns.push(Turn {
+                role: "assistant".into(),
+                content: a.clone(),
+            });
+        }
+        serde_json::to_string(&turns).expect("turns serialise")
+    }
+
+    /// Takes back a conversation [`BrowserClient::conversation_json`] gave (after a page
+    /// reload); refuses anything else. A last question kept without its answer (the page was
+    /// reloaded before any text came) is dropped: the conversation goes on from the last answer.
+    pub fn restore_conversation(&mut self, json: &str) -> Result<(), BrowserError> {
+        let turns: Vec<Turn> = serde_json::from_str(json)
+            .map_err(|e| BrowserError::Settings(format!("a kept conversation: {e}")))?;
+        if turns
+            .iter()
+            .any(|t| t.role != "user" && t.role != "assistant")
+        {
+            return Err(BrowserError::Settings(
+                "a kept conversation has a turn that is neither the user's nor the assistant's"
+                    .into(),
+            ));
+        }
+        self.history = turns
+            .iter()
+            .map(|t| ChatMessage::new(&t.role, &t.content))
+            .collect();
+        if self.history.last().is_some_and(|m| m.role == "user") {
+            self.history.pop();
+        }
+        self.answer = None;
+        Ok(())
+    }
+}
+
+impl BrowserClient {
+    /// The last answer, whole or stopped, joins the conversation.
+    fn keep_answer(&mut self) {
+        if let Some(a) = self.answer.take() {
+            self.history.push(ChatMessage::new("assistant", &a));
+        }
+    }
+
+    /// Opens the answer to the conversation in `history` (ending with a question).
+    fn open_answer(
+        &mut self,
+        max_tokens: u32,
+        temperature: f32,
+        top_p: f32,
+    ) -> Result<Vec<u8>, BrowserError> {
+        let budget = prompt_budget(self.context_tokens, max_tokens, self.limits.max_tree_nodes);
+        let mut history = std::mem::take(&mut self.history);
+        let tokenizer = self.tokenizer.clone();
+        let prompt_len = |h: &[ChatMessage]| -> Result<usize, BrowserError> {
+            Ok(tokenizer.encode(&tokenizer.chat_prompt(h))?.len())
+        };
+        let trimmed: Result<usize, BrowserError> =
+            forget_oldest_exchanges(&mut history, |h| Ok(prompt_len(h)? <= budget));
+        self.history = history;
+        trimmed?;
+        let prompt = self
             .tokenizer
-            .chat_prompt(&[ChatMessage::new("user", user_message)]);
-        let prompt = self.tokenizer.encode(&text)?;
+            .encode(&self.tokenizer.chat_prompt(&self.history))?;
         // Refused before the drafter moves into a driver, which would then keep it.
         if prompt.is_empty() {
             return Err(BrowserError::Protocol("empty prompt".into()));
@@ -208,12 +337,16 @@ impl BrowserClient {
             .with_text(self.tokenizer.clone());
         driver.set_limits(&self.limits);
         self.driver = Some(driver);
+        self.answer = Some(String::new());
         self.session += 1;
         self.round = 0;
         self.resuming = false;
         Ok(self.open_frame())
     }
+}
 
+#[wasm_bindgen]
+impl BrowserClient {
     /// Drafts the next tree and returns its Verify frame.
     pub fn next_round(&mut self) -> Result<Vec<u8>, BrowserError> {
         let tree = self
@@ -290,7 +423,12 @@ impl BrowserClient {
                     .on_resumed(&committed)
                     .map_err(round_error)?
                 {
-                    Recovery::Resumed(out) => tokens_event("resumed", &out),
+                    Recovery::Resumed(out) => {
+                        self.answer
+                            .get_or_insert_with(String::new)
+                            .push_str(&out.text);
+                        tokens_event("resumed", &out)
+                    }
                     Recovery::Reopen => serde_json::json!({"event": "reopen"}),
                 }
             }
@@ -304,6 +442,9 @@ impl BrowserClient {
                     .driver_mut()?
                     .on_verified(&v, now_ms() * 1e-3)
                     .map_err(round_error)?;
+                self.answer
+                    .get_or_insert_with(String::new)
+                    .push_str(&out.text);
                 tokens_event("tokens", &out)
             }
             Message::Error(e) => return Err(BrowserError::Verifier(e.message)),

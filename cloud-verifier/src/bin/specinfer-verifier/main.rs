@@ -387,6 +387,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             None => None,
         },
     };
+    let context_tokens = model.config().max_positions;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -429,8 +430,14 @@ fn serve(args: ServeArgs) -> Result<()> {
                 certificate_sha256: browser_identity.fingerprint(),
                 api_key: args.web_api_key.clone(),
             };
-            let files = web::demo_files(&args.web_dir, &args.web_ssm, &tokenizer, &endpoint)
-                .map_err(anyhow::Error::msg)?;
+            let files = web::demo_files(
+                &args.web_dir,
+                &args.web_ssm,
+                &tokenizer,
+                context_tokens,
+                &endpoint,
+            )
+            .map_err(anyhow::Error::msg)?;
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the web demo on {addr}"))?;
