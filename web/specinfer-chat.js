@@ -7,11 +7,20 @@
 // large model's own. No dependencies: embed with
 //   <script type="module" src="https://VERIFIER/specinfer-chat.js"></script>
 //
+// /config.json names the verifier (webtransport_port, certificate_sha256, api_key), or a fleet:
+// "verifiers": [{"host", "webtransport_port", "certificate_sha256"}, ...]. The widget says hello
+// to two and keeps the less loaded, as the native client does; when its verifier drains (Move)
+// or dies mid-answer, it opens the session again with everything committed on another and
+// streams on, nothing lost or repeated.
+//
 // It keeps the conversation: every question is asked with the turns before it (the oldest
 // forgotten where the LLM's context would not hold them, by the native clients' rule, in the
 // WebAssembly), and the conversation survives a reload of the page (sessionStorage) unless
 // persist="off". Stop ends an answer after the round in flight and keeps what it had;
 // Regenerate answers the last question again; New conversation forgets it all.
+//
+// Answers are rendered as Markdown, code highlighted, and sanitised (web/render.js, bundled into
+// pkg/vendor.js): no answer can run script in the embedding page.
 //
 // Events: "ready" (connected), "progress" ({text}: the answer so far, after each round),
 // "answer" ({ids, text, stats, stopped}), "failed" (a message).
@@ -19,6 +28,7 @@
 // --specinfer-user-bubble, --specinfer-bot-bubble, --specinfer-font and --specinfer-radius, and
 // the parts log, message, user, bot, composer, input, send, stop, regenerate, new, status.
 import init, { BrowserClient } from "./pkg/specinfer_wasm.js";
+import { renderMarkdown } from "./pkg/vendor.js";
 
 const STYLE = `
   :host { display: block; font: var(--specinfer-font, 15px/1.45 system-ui, sans-serif); max-width: 46rem;
@@ -29,6 +39,18 @@ const STYLE = `
          white-space: pre-wrap; }
   .user { background: var(--specinfer-user-bubble, #e8f0fe); margin-left: 18%; }
   .bot { background: var(--specinfer-bot-bubble, #f3f4f6); margin-right: 8%; }
+  .bot { white-space: normal; }
+  .bot > :first-child { margin-top: 0; } .bot > :last-child { margin-bottom: 0; }
+  .bot pre { background: #f6f8fa; border: 1px solid #e3e6ea; border-radius: 6px; padding: 8px 10px;
+             overflow-x: auto; font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, monospace; }
+  .bot code { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; }
+  .hljs-keyword, .hljs-built_in, .hljs-literal { color: #cf222e; }
+  .hljs-string, .hljs-regexp { color: #0a3069; }
+  .hljs-comment { color: #6e7781; font-style: italic; }
+  .hljs-number { color: #0550ae; }
+  .hljs-title, .hljs-title.function_ { color: #8250df; }
+  .hljs-params, .hljs-attr, .hljs-variable { color: #953800; }
+  .error-line { color: #8a1c1c; }
   .bot.error { background: #fde8e8; color: #8a1c1c; }
   .stopped::after { content: " (stopped)"; color: #5f6368; font-style: italic; }
   form { display: flex; gap: 8px; padding: 10px; border-top: 1px solid #e3e6ea; }
@@ -203,22 +225,70 @@ class SpecinferChat extends HTMLElement {
     }
   }
 
-  async connect() {
-    this.setStatus("connecting…");
-    const url = `https://${this.configUrl.hostname}:${this.config.webtransport_port}/`;
-    const wt = new WebTransport(url, {
-      serverCertificateHashes: [{ algorithm: "sha-256", value: hexBytes(this.config.certificate_sha256) }],
+  /** The verifiers /config.json lists ("verifiers": [...], or itself as the one). */
+  endpoints() {
+    return (this.config.verifiers ?? [this.config]).map((v) => ({
+      host: v.host ?? this.configUrl.hostname,
+      port: v.webtransport_port,
+      hash: v.certificate_sha256,
+    }));
+  }
+
+  /** A connection to `ep` that has said hello: {wt, ep, event}. */
+  async hello(ep) {
+    const wt = new WebTransport(`https://${ep.host}:${ep.port}/`, {
+      serverCertificateHashes: [{ algorithm: "sha-256", value: hexBytes(ep.hash) }],
     });
-    await wt.ready;
+    try {
+      await wt.ready;
+      const stream = new FrameStream(await wt.createBidirectionalStream());
+      await stream.write(this.client.hello(this.config.api_key ?? undefined));
+      const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+      return { wt, ep, event };
+    } catch (e) {
+      try { wt.close(); } catch (_) { /* never opened */ }
+      throw e;
+    }
+  }
+
+  /**
+   * Connects as the native client does: hello to two of the listed verifiers (leaving out
+   * `avoid`, the one just lost, while there are others) and keep the less loaded; a draining
+   * one only when nothing else answers.
+   */
+  async connect(avoid = null) {
+    this.setStatus("connecting…");
+    const same = (a, b) => a && b && a.host === b.host && a.port === b.port;
+    const all = this.endpoints();
+    const others = all.filter((ep) => !same(ep, avoid));
+    const pool = (others.length ? others : all).sort(() => Math.random() - 0.5);
+    let answered = [];
+    let why = null;
+    // Two at a time, until some answer.
+    for (let i = 0; i < pool.length && !answered.length; i += 2) {
+      const tried = await Promise.allSettled(pool.slice(i, i + 2).map((ep) => this.hello(ep)));
+      answered = tried.filter((t) => t.status === "fulfilled").map((t) => t.value);
+      why = tried.find((t) => t.status === "rejected")?.reason ?? why;
+    }
+    if (!answered.length) throw why ?? new Error("no verifier answered");
+    const load = (h) => (h.event.draining ? Infinity : h.event.load ?? Infinity);
+    answered.sort((a, b) => load(a) - load(b));
+    const [best, ...rest] = answered;
+    rest.forEach((h) => h.wt.close());
+    this.adopt(best);
+  }
+
+  /** Makes the connection `h` (from hello) the one answers go over. */
+  adopt(h) {
+    const { wt, ep, event } = h;
     this.wt = wt;
+    this.endpoint = ep;
     wt.closed.then(
       () => this.lost(wt, "the verifier closed the connection"),
       (e) => this.lost(wt, e.message || String(e)),
     );
-    const hello = new FrameStream(await wt.createBidirectionalStream());
-    await hello.write(this.client.hello(this.config.api_key ?? undefined));
-    const event = JSON.parse(this.client.on_frame(await hello.readFrame(this.client)));
-    this.setStatus(`connected to ${event.model}; drafting locally in WebAssembly`);
+    const where = this.endpoints().length > 1 ? ` at ${ep.host}:${ep.port}` : "";
+    this.setStatus(`connected to ${event.model}${where}; drafting locally in WebAssembly`);
     this.setBusy(false);
   }
 
@@ -235,22 +305,58 @@ class SpecinferChat extends HTMLElement {
     this.statusLine.append(retry);
   }
 
-  /** Reconnects and gets the answer's session back; resolves with {stream, finished}. */
+  /**
+   * After the connection broke mid-answer: the session back from the same verifier (resumed,
+   * or opened again there with everything committed); when that verifier is gone, opened
+   * again on another. Resolves with {stream, finished}.
+   */
   async recover(answer) {
-    await this.connect();
+    const lost = this.endpoint;
+    let h;
+    try {
+      h = await this.hello(lost);
+    } catch (_) {
+      return { stream: await this.reopenElsewhere(lost), finished: false };
+    }
+    this.adopt(h);
     this.setBusy(true);
     let stream = new FrameStream(await this.wt.createBidirectionalStream());
     await stream.write(this.client.resume());
     const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
     if (event.event === "resumed") {
-      answer.textContent += event.text;
+      this.setAnswerText(answer, answer.rawText + event.text);
       return { stream, finished: event.finished };
     }
+    if (event.event === "move") return { stream: await this.reopenElsewhere(lost), finished: false };
     // The verifier no longer holds it: open it again on a fresh stream.
     stream = new FrameStream(await this.wt.createBidirectionalStream());
     await stream.write(this.client.reopen());
     this.client.on_frame(await stream.readFrame(this.client));
     return { stream, finished: false };
+  }
+
+  /**
+   * Opens the answer's session, with everything committed so far, on a verifier other than
+   * `avoid` (which drained or died); resolves with the new session's stream. Sampling goes on
+   * from the same seed, so a seeded answer is the same wherever it is finished.
+   */
+  async reopenElsewhere(avoid) {
+    for (let tries = 0; ; tries++) {
+      const old = this.wt;
+      await this.connect(avoid);
+      if (old && old !== this.wt) {
+        try { old.close(); } catch (_) { /* already gone */ }
+      }
+      this.setBusy(true);
+      const stream = new FrameStream(await this.wt.createBidirectionalStream());
+      await stream.write(this.client.reopen());
+      const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+      if (event.event !== "move") return stream;
+      // That one is draining too.
+      await stream.close();
+      avoid = this.endpoint;
+      if (tries >= 3) throw new Error("every verifier is draining");
+    }
   }
 
   fail(message) {
@@ -262,10 +368,22 @@ class SpecinferChat extends HTMLElement {
     const div = document.createElement("div");
     div.className = `msg ${cls}`;
     div.setAttribute("part", `message ${cls}`);
-    div.textContent = text;
+    if (cls === "bot") this.setAnswerText(div, text);
+    else div.textContent = text;
     this.log.append(div);
     this.log.scrollTop = this.log.scrollHeight;
     return div;
+  }
+
+  /** Shows `text` in the answer bubble `div`, rendered (Markdown, code, sanitised). */
+  setAnswerText(div, text) {
+    div.rawText = text;
+    div.innerHTML = renderMarkdown(text);
+  }
+
+  /** An answer's bubble with `text` rendered as answers are (the page's own use, and tests). */
+  showAnswer(text) {
+    return this.bubble("bot", text);
   }
 
   /** Answers `text`, the conversation's next question; resolves with {ids, text, stats, stopped}. */
@@ -299,7 +417,11 @@ class SpecinferChat extends HTMLElement {
       const temperature = Number(this.getAttribute("temperature") ?? 0.8);
       const topP = Number(this.getAttribute("top-p") ?? 0.95);
       await stream.write(opening(temperature, topP));
-      this.client.on_frame(await stream.readFrame(this.client));
+      if (JSON.parse(this.client.on_frame(await stream.readFrame(this.client))).event === "move") {
+        // It started draining since the hello: the session opens elsewhere.
+        await stream.close();
+        stream = await this.reopenElsewhere(this.endpoint);
+      }
       let reconnects = 0;
       for (;;) {
         if (this.stopping) {
@@ -314,16 +436,24 @@ class SpecinferChat extends HTMLElement {
           body = await stream.readFrame(this.client);
         } catch (lostStream) {
           // The connection broke mid-answer: resume the session on a new one (or open it again
-          // with everything committed), as the native client does; nothing streamed is lost.
-          if (++reconnects > 3) throw lostStream;
+          // with everything committed, there or on another verifier), as the native client
+          // does; nothing streamed is lost or repeated.
+          if (++reconnects > 6) throw lostStream;
           const recovered = await this.recover(answer);
           stream = recovered.stream;
           if (recovered.finished) break;
           continue;
         }
         const event = JSON.parse(this.client.on_frame(body));
-        answer.textContent += event.text;
-        this.dispatchEvent(new CustomEvent("progress", { detail: { text: answer.textContent } }));
+        if (event.event === "move") {
+          // The verifier is draining: it let the session go without running the round.
+          if (++reconnects > 6) throw new Error("the session was moved too often");
+          await stream.close();
+          stream = await this.reopenElsewhere(this.endpoint);
+          continue;
+        }
+        this.setAnswerText(answer, answer.rawText + event.text);
+        this.dispatchEvent(new CustomEvent("progress", { detail: { text: answer.rawText } }));
         this.log.scrollTop = this.log.scrollHeight;
         const s = JSON.parse(this.client.stats());
         const seconds = (performance.now() - started) / 1000;
@@ -336,7 +466,7 @@ class SpecinferChat extends HTMLElement {
       await stream.close();
       const detail = {
         ids: Array.from(this.client.token_ids()),
-        text: answer.textContent,
+        text: answer.rawText,
         stopped,
         stats: { ...JSON.parse(this.client.stats()), wall_ms: performance.now() - started },
       };
@@ -346,7 +476,10 @@ class SpecinferChat extends HTMLElement {
       return detail;
     } catch (e) {
       answer.classList.add("error");
-      answer.textContent += `\n[${e.message || e}]`;
+      const line = document.createElement("div");
+      line.className = "error-line";
+      line.textContent = `[${e.message || e}]`;
+      answer.append(line);
       this.fail(e.message || String(e));
       throw e;
     } finally {

@@ -94,6 +94,7 @@ pub fn demo_files(
             "/pkg/specinfer_wasm_bg.wasm",
             pkg.join("specinfer_wasm_bg.wasm"),
         ),
+        ("/pkg/vendor.js", pkg.join("vendor.js")),
         ("/ssm/config.json", ssm_dir.join("config.json")),
         ("/ssm/model.safetensors", ssm_dir.join("model.safetensors")),
     ] {

@@ -73,9 +73,12 @@ async fn native_answer(
     answer
 }
 
-/// A verifier serving the demo page (WebTransport and HTTP), and the reports its page sends.
+/// Verifiers serving the demo page (WebTransport; the first also HTTP), and the reports its
+/// page sends.
 struct DemoPage {
-    server: specinfer_verifier::service::RunningVerifier,
+    /// `None` once shut down.
+    servers: Vec<Option<specinfer_verifier::service::RunningVerifier>>,
+    /// The first verifier over QUIC (for the native client).
     remote: specinfer_net::RemoteConfig,
     web: std::net::SocketAddr,
     browser: PathBuf,
@@ -83,8 +86,13 @@ struct DemoPage {
 }
 
 impl DemoPage {
-    /// `None` (and why, said) when Chromium or the built widget is missing.
+    /// One verifier; `None` (and why, said) when Chromium or the built widget is missing.
     async fn start() -> Option<DemoPage> {
+        Self::start_fleet(1).await
+    }
+
+    /// `n` verifiers, all listed in the page's `/config.json` (a fleet when `n` > 1).
+    async fn start_fleet(n: usize) -> Option<DemoPage> {
         let web_dir = repo().join("web");
         let Some(browser) = chromium() else {
             missing("no Chromium found");
@@ -94,37 +102,66 @@ impl DemoPage {
             missing("web/pkg is not built (web/build.sh)");
             return None;
         }
-        let (mut server, remote) = start_verifier(EngineConfig::default());
         let (llm, tok) = smollm2();
         let identity =
             ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"]).unwrap();
-        let wt = server
-            .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
-            .unwrap();
+        let (mut servers, mut endpoints, mut remote) = (Vec::new(), Vec::new(), None);
+        for _ in 0..n {
+            let (mut server, r) = start_verifier(EngineConfig::default());
+            let wt = server
+                .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
+                .unwrap();
+            endpoints.push(serde_json::json!({
+                "host": "127.0.0.1",
+                "webtransport_port": wt.port(),
+                "certificate_sha256": identity.fingerprint(),
+            }));
+            servers.push(Some(server));
+            remote.get_or_insert(r);
+        }
         let files = demo_files(
             &web_dir,
             &default_ssm_dir(),
             tok,
             llm.config().max_positions,
             &DemoEndpoint {
-                webtransport_port: wt.port(),
+                webtransport_port: endpoints[0]["webtransport_port"].as_u64().unwrap() as u16,
                 certificate_sha256: identity.fingerprint(),
                 api_key: Some(API_KEY.into()),
             },
         )
         .unwrap();
+        if n > 1 {
+            files.add(
+                "/config.json",
+                "application/json",
+                serde_json::json!({"verifiers": endpoints, "api_key": API_KEY})
+                    .to_string()
+                    .into_bytes(),
+            );
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let web = listener.local_addr().unwrap();
         let (reports, reported) = tokio::sync::mpsc::unbounded_channel();
         let app = web::router(files, Vec::new()).merge(page_hooks(reports));
         tokio::spawn(specinfer_net::http::serve(listener, app));
         Some(DemoPage {
-            server,
-            remote,
+            servers,
+            remote: remote.expect("at least one verifier"),
             web,
             browser,
             reported,
         })
+    }
+
+    fn server(&self, i: usize) -> &specinfer_verifier::service::RunningVerifier {
+        self.servers[i].as_ref().expect("running")
+    }
+
+    async fn shutdown(mut self) {
+        for s in self.servers.iter_mut().filter_map(Option::take) {
+            s.shutdown().await;
+        }
     }
 
     /// The page asking `prompts` in turn (one conversation), greedy, `extra` query parameters
@@ -145,6 +182,130 @@ impl DemoPage {
             self.web
         );
         run_page(&self.browser, &url, screenshot, &mut self.reported).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_render_as_markdown_with_highlighted_code_and_no_script_runs() {
+    let Some(mut page) = DemoPage::start().await else {
+        return;
+    };
+    let encode = |text: &str| -> String {
+        text.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' => (b as char).to_string(),
+                _ => format!("%{b:02X}"),
+            })
+            .collect()
+    };
+    // An answer with markup meant to run: an image whose failure runs a handler, a script, a
+    // javascript: link, an SVG handler, handlers in Markdown's own HTML.
+    let hostile = "Here you go:\n\n<img src=x onerror=\"window.pwned='img'\">\n\n\
+        <script>window.pwned='script'</script>\n\n\
+        A [link](javascript:window.pwned='link') and an [ordinary one](https://example.org).\n\n\
+        <svg onload=\"window.pwned='svg'\"></svg>\n\n\
+        <div onmouseover=\"window.pwned='div'\">text</div>\n\n**bold**";
+    let url = format!("http://{}/?render={}", page.web, encode(hostile));
+    let report = run_page(&page.browser, &url, None, &mut page.reported).await;
+    assert_eq!(
+        report["pwned"],
+        serde_json::Value::Null,
+        "a script ran: {report}"
+    );
+    assert_eq!(report["scripts"], 0, "{report}");
+    assert_eq!(report["handlers"], 0, "{report}");
+    assert_eq!(report["script_links"], 0, "{report}");
+    // Markdown still renders: the ordinary link and the bold text.
+    assert!(report["links"].as_u64().unwrap() >= 1, "{report}");
+    assert!(
+        report["html"]
+            .as_str()
+            .unwrap()
+            .contains("<strong>bold</strong>"),
+        "{report}"
+    );
+    // A fenced code block: highlighted, and a picture of it for the eye.
+    let code = "A function:\n\n```python\ndef add(a, b):\n    # the sum\n    return a + b\n```\n";
+    let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("browser-markdown.png");
+    let _ = std::fs::remove_file(&shot);
+    let url = format!("http://{}/?render={}", page.web, encode(code));
+    let report = run_page(&page.browser, &url, Some(&shot), &mut page.reported).await;
+    assert!(
+        report["highlighted"].as_u64().unwrap() >= 3,
+        "the code block is not highlighted: {report}"
+    );
+    assert!(report["html"].as_str().unwrap().contains("language-python"));
+    eprintln!("screenshot of a rendered code block: {}", shot.display());
+    page.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_goes_on_elsewhere_when_its_verifier_drains_or_dies() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let story = "Write a long story about a dragon who learns to cook.";
+    for dies in [false, true] {
+        let Some(mut page) = DemoPage::start_fleet(2).await else {
+            return;
+        };
+        let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
+        assert_eq!(whole.token_ids.len(), 200, "the story is long");
+        let counts = |page: &DemoPage, i: usize| {
+            let m = page.server(i).metrics();
+            (m.tokens.load(Relaxed), m.sessions_opened.load(Relaxed))
+        };
+        let before = [counts(&page, 0), counts(&page, 1)];
+        let url = format!(
+            "http://{}/?prompt={}&max_tokens=200&temperature=0",
+            page.web,
+            story.replace(' ', "%20")
+        );
+        let DemoPage {
+            servers,
+            browser,
+            reported,
+            ..
+        } = &mut page;
+        // Once the page's verifier has committed a quarter of the answer, it drains (or stops,
+        // closing its connections: dead to the page).
+        let act = async {
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            loop {
+                let serving = (0..2).find(|&i| {
+                    let m = servers[i].as_ref().unwrap().metrics();
+                    m.sessions_active.load(Relaxed) > 0
+                        && m.tokens.load(Relaxed) >= before[i].0 + 50
+                });
+                if let Some(i) = serving {
+                    if dies {
+                        servers[i].take().unwrap().shutdown().await;
+                    } else {
+                        servers[i].as_ref().unwrap().control().drain();
+                    }
+                    return i;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no verifier served the page"
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        let (report, left) = tokio::join!(run_page(browser, &url, None, reported), act);
+        let other = 1 - left;
+        assert_eq!(
+            report_ids(&report),
+            whole.token_ids,
+            "dies {dies}: the answer finished elsewhere is not the whole greedy answer"
+        );
+        let (tokens, opened) = counts(&page, other);
+        assert!(
+            opened > before[other].1 && tokens > before[other].0,
+            "dies {dies}: the other verifier served nothing: the answer ended before verifier {left} left"
+        );
+        if !dies {
+            assert!(page.server(left).metrics().sessions_moved.load(Relaxed) >= 1);
+        }
+        page.shutdown().await;
     }
 }
 
@@ -197,7 +358,7 @@ async fn the_browser_widget_answers_like_the_native_client() {
         shot.display()
     );
     eprintln!("screenshot of the widget: {}", shot.display());
-    page.server.shutdown().await;
+    page.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,7 +390,7 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
     ];
     let second = native_answer(&page.remote, &turns, MAX_TOKENS).await;
     let hits = |page: &DemoPage| {
-        page.server
+        page.server(0)
             .metrics()
             .prefix_hits
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -270,7 +431,7 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
         whole.token_ids[..stopped.len()],
         "the stopped answer is not a prefix of the whole one"
     );
-    page.server.shutdown().await;
+    page.shutdown().await;
 }
 
 /// The test's own routes beside the demo's (the verifier serves none of them): the page POSTs

@@ -395,10 +395,11 @@ impl BrowserClient {
     }
 
     /// Handles one frame body from the verifier; returns a JSON event:
-    /// `{"event":"hello","model":NAME}`, `{"event":"opened"}`,
+    /// `{"event":"hello","model":NAME,"load":SCORE|null,"draining":BOOL}`, `{"event":"opened"}`,
     /// `{"event":"tokens","ids":[..],"text":NEW_TEXT,"finished":BOOL}`, after a resume
     /// `{"event":"resumed",...}` (the same fields: tokens of a round whose answer was lost) or
-    /// `{"event":"reopen"}`.
+    /// `{"event":"reopen"}`; `{"event":"move"}` when a draining verifier let the session go
+    /// (open it again with [`BrowserClient::reopen`] on another verifier).
     pub fn on_frame(&mut self, body: &[u8]) -> Result<String, BrowserError> {
         let msg =
             decode_frame(body, &self.limits).map_err(|e| BrowserError::Protocol(e.to_string()))?;
@@ -410,7 +411,15 @@ impl BrowserClient {
                     ));
                 }
                 self.limits = h.limits;
-                serde_json::json!({"event": "hello", "model": h.model_name})
+                // How loaded it is (lower is better), so that the page keeps the less loaded of
+                // the verifiers it said hello to; a draining one is never kept.
+                let load = h.load.score();
+                serde_json::json!({
+                    "event": "hello",
+                    "model": h.model_name,
+                    "load": load.is_finite().then_some(load),
+                    "draining": h.load.draining,
+                })
             }
             Message::SessionOpened(o) if o.session == self.session => {
                 self.resume_token = o.resume_token;
@@ -446,6 +455,16 @@ impl BrowserClient {
                     .get_or_insert_with(String::new)
                     .push_str(&out.text);
                 tokens_event("tokens", &out)
+            }
+            // A draining verifier did not run the round (or open the session) and has let it
+            // go: the page opens it again, with everything committed, on another verifier.
+            Message::Move { session } if session == self.session => {
+                self.driver_mut()?.connection_lost();
+                serde_json::json!({"event": "move"})
+            }
+            Message::Error(e) if e.code == ErrorCode::Draining => {
+                self.driver_mut()?.connection_lost();
+                serde_json::json!({"event": "move"})
             }
             Message::Error(e) => return Err(BrowserError::Verifier(e.message)),
             other => {
