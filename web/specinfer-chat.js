@@ -1,5 +1,5 @@
 // <specinfer-chat server="/config.json" tree="adaptive:dynamic:32" max-tokens="256"
-//                 temperature="0.8" top-p="0.95" persist="session">
+//                 temperature="0.8" top-p="0.95" persist="session" round-timeout="20">
 //
 // A chat widget for specinfer: a small speculative model drafts token trees right here, in
 // WebAssembly; the verifier (the large model, in the cloud) checks a whole tree per round over
@@ -101,6 +101,14 @@ class FrameStream {
 
 const hexBytes = (hex) => new Uint8Array(hex.match(/../g).map((h) => parseInt(h, 16)));
 
+/** `promise`, or an error after `seconds`: every wait on a verifier is bounded. */
+const within = (seconds, what, promise) =>
+  Promise.race([
+    promise,
+    new Promise((_, fail) =>
+      setTimeout(() => fail(new Error(`${what}: no answer from the verifier in ${seconds} s`)), seconds * 1000)),
+  ]);
+
 class SpecinferChat extends HTMLElement {
   connectedCallback() {
     const root = this.attachShadow({ mode: "open" });
@@ -147,6 +155,11 @@ class SpecinferChat extends HTMLElement {
       this.input.value = "";
       this.ask(text).catch(() => {});
     }
+  }
+
+  /** Seconds a round may wait for its verdict before the connection counts as lost. */
+  roundTimeout() {
+    return Number(this.getAttribute("round-timeout") || 20);
   }
 
   /** Ends the answer in flight after its current round; what it committed stays. */
@@ -240,10 +253,12 @@ class SpecinferChat extends HTMLElement {
       serverCertificateHashes: [{ algorithm: "sha-256", value: hexBytes(ep.hash) }],
     });
     try {
-      await wt.ready;
-      const stream = new FrameStream(await wt.createBidirectionalStream());
-      await stream.write(this.client.hello(this.config.api_key ?? undefined));
-      const event = JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+      const event = await within(10, "hello", (async () => {
+        await wt.ready;
+        const stream = new FrameStream(await wt.createBidirectionalStream());
+        await stream.write(this.client.hello(this.config.api_key ?? undefined));
+        return JSON.parse(this.client.on_frame(await stream.readFrame(this.client)));
+      })());
       return { wt, ep, event };
     } catch (e) {
       try { wt.close(); } catch (_) { /* never opened */ }
@@ -433,7 +448,9 @@ class SpecinferChat extends HTMLElement {
         let body;
         try {
           await stream.write(frame);
-          body = await stream.readFrame(this.client);
+          // A verifier that died without closing its connection (killed, its host gone) is
+          // noticed after round-timeout seconds, not after the transport's idle timeout.
+          body = await within(this.roundTimeout(), "a round", stream.readFrame(this.client));
         } catch (lostStream) {
           // The connection broke mid-answer: resume the session on a new one (or open it again
           // with everything committed, there or on another verifier), as the native client

@@ -12,7 +12,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use specinfer_edge::{Client, Generation};
-use specinfer_integration::{default_ssm_dir, smollm2, start_verifier, API_KEY};
+use specinfer_integration::{
+    cache_dir, default_ssm_dir, smollm2, start_verifier, verifier_exe, API_KEY,
+};
 use specinfer_model::{ChatMessage, Llama};
 use specinfer_net::ServerIdentity;
 use specinfer_speculator::{CachedDraft, DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
@@ -73,12 +75,12 @@ async fn native_answer(
     answer
 }
 
-/// Verifiers serving the demo page (WebTransport; the first also HTTP), and the reports its
+/// A verifier serving the demo page (WebTransport; the page over HTTP), and the reports its
 /// page sends.
 struct DemoPage {
-    /// `None` once shut down.
-    servers: Vec<Option<specinfer_verifier::service::RunningVerifier>>,
-    /// The first verifier over QUIC (for the native client).
+    server: specinfer_verifier::service::RunningVerifier,
+    files: web::WebFiles,
+    /// The verifier over QUIC (for the native client).
     remote: specinfer_net::RemoteConfig,
     web: std::net::SocketAddr,
     browser: PathBuf,
@@ -88,11 +90,6 @@ struct DemoPage {
 impl DemoPage {
     /// One verifier; `None` (and why, said) when Chromium or the built widget is missing.
     async fn start() -> Option<DemoPage> {
-        Self::start_fleet(1).await
-    }
-
-    /// `n` verifiers, all listed in the page's `/config.json` (a fleet when `n` > 1).
-    async fn start_fleet(n: usize) -> Option<DemoPage> {
         let web_dir = repo().join("web");
         let Some(browser) = chromium() else {
             missing("no Chromium found");
@@ -105,63 +102,48 @@ impl DemoPage {
         let (llm, tok) = smollm2();
         let identity =
             ServerIdentity::self_signed_for_browsers(&["localhost", "127.0.0.1"]).unwrap();
-        let (mut servers, mut endpoints, mut remote) = (Vec::new(), Vec::new(), None);
-        for _ in 0..n {
-            let (mut server, r) = start_verifier(EngineConfig::default());
-            let wt = server
-                .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
-                .unwrap();
-            endpoints.push(serde_json::json!({
-                "host": "127.0.0.1",
-                "webtransport_port": wt.port(),
-                "certificate_sha256": identity.fingerprint(),
-            }));
-            servers.push(Some(server));
-            remote.get_or_insert(r);
-        }
+        let (mut server, remote) = start_verifier(EngineConfig::default());
+        let wt = server
+            .serve_webtransport(&identity, "127.0.0.1:0".parse().unwrap())
+            .unwrap();
         let files = demo_files(
             &web_dir,
             &default_ssm_dir(),
             tok,
             llm.config().max_positions,
             &DemoEndpoint {
-                webtransport_port: endpoints[0]["webtransport_port"].as_u64().unwrap() as u16,
+                webtransport_port: wt.port(),
                 certificate_sha256: identity.fingerprint(),
                 api_key: Some(API_KEY.into()),
             },
         )
         .unwrap();
-        if n > 1 {
-            files.add(
-                "/config.json",
-                "application/json",
-                serde_json::json!({"verifiers": endpoints, "api_key": API_KEY})
-                    .to_string()
-                    .into_bytes(),
-            );
-        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let web = listener.local_addr().unwrap();
         let (reports, reported) = tokio::sync::mpsc::unbounded_channel();
-        let app = web::router(files, Vec::new()).merge(page_hooks(reports));
+        let app = web::router(files.clone(), Vec::new()).merge(page_hooks(reports));
         tokio::spawn(specinfer_net::http::serve(listener, app));
         Some(DemoPage {
-            servers,
-            remote: remote.expect("at least one verifier"),
+            server,
+            files,
+            remote,
             web,
             browser,
             reported,
         })
     }
 
-    fn server(&self, i: usize) -> &specinfer_verifier::service::RunningVerifier {
-        self.servers[i].as_ref().expect("running")
+    /// Points the page at other verifiers (its `/config.json`).
+    fn set_config(&self, config: serde_json::Value) {
+        self.files.add(
+            "/config.json",
+            "application/json",
+            config.to_string().into_bytes(),
+        );
     }
 
-    async fn shutdown(mut self) {
-        for s in self.servers.iter_mut().filter_map(Option::take) {
-            s.shutdown().await;
-        }
+    async fn shutdown(self) {
+        self.server.shutdown().await;
     }
 
     /// The page asking `prompts` in turn (one conversation), greedy, `extra` query parameters
@@ -239,74 +221,183 @@ async fn answers_render_as_markdown_with_highlighted_code_and_no_script_runs() {
     page.shutdown().await;
 }
 
+/// A `specinfer-verifier serve --web` process of this build, every port chosen by the system.
+struct WebVerifier {
+    child: std::process::Child,
+    admin: std::net::SocketAddr,
+    /// Its entry in a page's `/config.json` (from its own `/config.json`).
+    endpoint: serde_json::Value,
+}
+
+impl WebVerifier {
+    fn start() -> WebVerifier {
+        use std::io::BufRead;
+        let mut child = Command::new(verifier_exe())
+            .args(["serve", "--self-signed", "--insecure-no-auth"])
+            .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .args(["--web", "127.0.0.1:0", "--webtransport", "127.0.0.1:0"])
+            .arg("--web-dir")
+            .arg(repo().join("web"))
+            .arg("--web-ssm")
+            .arg(default_ssm_dir())
+            .env("SPECINFER_CACHE", cache_dir())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting specinfer-verifier");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = tx.send(line);
+            }
+        });
+        // "admin on http://ADDR/ ..." and "browser demo on http://ADDR/ ...".
+        let (mut admin, mut web) = (None, None);
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while admin.is_none() || web.is_none() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let line = rx
+                .recv_timeout(left)
+                .expect("the verifier said where it listens");
+            let addr = |prefix: &str| -> Option<std::net::SocketAddr> {
+                let rest = line.strip_prefix(prefix)?;
+                rest[..rest.find('/')?].parse().ok()
+            };
+            admin = admin.or_else(|| addr("admin on http://"));
+            web = web.or_else(|| addr("browser demo on http://"));
+        }
+        let config: serde_json::Value =
+            serde_json::from_str(&curl(&format!("http://{}/config.json", web.unwrap()), &[]))
+                .expect("its /config.json");
+        WebVerifier {
+            child,
+            admin: admin.unwrap(),
+            endpoint: serde_json::json!({
+                "host": "127.0.0.1",
+                "webtransport_port": config["webtransport_port"],
+                "certificate_sha256": config["certificate_sha256"],
+            }),
+        }
+    }
+
+    /// A counter or gauge of its `/metrics`.
+    fn metric(&self, name: &str) -> u64 {
+        let text = curl(&format!("http://{}/metrics", self.admin), &[]);
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in its metrics"))
+    }
+
+    fn drain(&self) {
+        curl(&format!("http://{}/drain", self.admin), &["-X", "POST"]);
+    }
+}
+
+impl Drop for WebVerifier {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The body of a GET (or what `args` make it) with curl.
+fn curl(url: &str, args: &[&str]) -> String {
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10"])
+        .args(args)
+        .arg(url)
+        .output()
+        .expect("running curl");
+    assert!(
+        out.status.success(),
+        "curl {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_goes_on_elsewhere_when_its_verifier_drains_or_dies() {
-    use std::sync::atomic::Ordering::Relaxed;
+async fn an_answer_goes_on_elsewhere_when_its_verifier_drains_or_is_killed() {
     let story = "Write a long story about a dragon who learns to cook.";
-    for dies in [false, true] {
-        let Some(mut page) = DemoPage::start_fleet(2).await else {
-            return;
-        };
-        let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
-        assert_eq!(whole.token_ids.len(), 200, "the story is long");
-        let counts = |page: &DemoPage, i: usize| {
-            let m = page.server(i).metrics();
-            (m.tokens.load(Relaxed), m.sessions_opened.load(Relaxed))
-        };
-        let before = [counts(&page, 0), counts(&page, 1)];
+    // The greedy answer, from an in-process verifier of the same build and model.
+    let Some(mut page) = DemoPage::start().await else {
+        return;
+    };
+    let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
+    assert_eq!(whole.token_ids.len(), 200, "the story is long");
+    for killed in [false, true] {
+        // Two verifier processes; the page lists both.
+        let mut fleet = [WebVerifier::start(), WebVerifier::start()];
+        page.set_config(serde_json::json!({
+            "verifiers": [fleet[0].endpoint.clone(), fleet[1].endpoint.clone()],
+        }));
+        let before: Vec<(u64, u64)> = fleet
+            .iter()
+            .map(|v| {
+                (
+                    v.metric("specinfer_tokens_total"),
+                    v.metric("specinfer_sessions_opened_total"),
+                )
+            })
+            .collect();
         let url = format!(
-            "http://{}/?prompt={}&max_tokens=200&temperature=0",
+            "http://{}/?prompt={}&max_tokens=200&temperature=0&round_timeout=3",
             page.web,
             story.replace(' ', "%20")
         );
-        let DemoPage {
-            servers,
-            browser,
-            reported,
-            ..
-        } = &mut page;
-        // Once the page's verifier has committed a quarter of the answer, it drains (or stops,
-        // closing its connections: dead to the page).
+        // Once the page's verifier has committed a quarter of the answer, it drains (POST
+        // /drain: it moves the session at its next round, then exits) or is killed (SIGKILL:
+        // its connection goes silent, nothing says goodbye).
         let act = async {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
             loop {
                 let serving = (0..2).find(|&i| {
-                    let m = servers[i].as_ref().unwrap().metrics();
-                    m.sessions_active.load(Relaxed) > 0
-                        && m.tokens.load(Relaxed) >= before[i].0 + 50
+                    fleet[i].metric("specinfer_sessions_active") > 0
+                        && fleet[i].metric("specinfer_tokens_total") >= before[i].0 + 50
                 });
                 if let Some(i) = serving {
-                    if dies {
-                        servers[i].take().unwrap().shutdown().await;
-                    } else {
-                        servers[i].as_ref().unwrap().control().drain();
-                    }
                     return i;
                 }
                 assert!(
                     std::time::Instant::now() < deadline,
                     "no verifier served the page"
                 );
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
         };
-        let (report, left) = tokio::join!(run_page(browser, &url, None, reported), act);
+        let DemoPage {
+            browser, reported, ..
+        } = &mut page;
+        let page_run = run_page(browser, &url, None, reported);
+        tokio::pin!(page_run);
+        // The page runs while the fleet is watched; the chosen verifier leaves mid-answer.
+        let left = tokio::select! {
+            i = act => i,
+            report = &mut page_run => panic!("the answer ended before a verifier left: {report}"),
+        };
+        if killed {
+            fleet[left].child.kill().unwrap();
+        } else {
+            fleet[left].drain();
+        }
+        let report = page_run.await;
         let other = 1 - left;
         assert_eq!(
             report_ids(&report),
             whole.token_ids,
-            "dies {dies}: the answer finished elsewhere is not the whole greedy answer"
+            "killed {killed}: the answer finished elsewhere is not the whole greedy answer"
         );
-        let (tokens, opened) = counts(&page, other);
         assert!(
-            opened > before[other].1 && tokens > before[other].0,
-            "dies {dies}: the other verifier served nothing: the answer ended before verifier {left} left"
+            fleet[other].metric("specinfer_sessions_opened_total") > before[other].1
+                && fleet[other].metric("specinfer_tokens_total") > before[other].0,
+            "killed {killed}: the other verifier served nothing"
         );
-        if !dies {
-            assert!(page.server(left).metrics().sessions_moved.load(Relaxed) >= 1);
-        }
-        page.shutdown().await;
     }
+    page.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -390,7 +481,7 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
     ];
     let second = native_answer(&page.remote, &turns, MAX_TOKENS).await;
     let hits = |page: &DemoPage| {
-        page.server(0)
+        page.server
             .metrics()
             .prefix_hits
             .load(std::sync::atomic::Ordering::Relaxed)

@@ -418,6 +418,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the admin endpoint on {addr}"))?;
+            // The bound address, so that `--admin HOST:0` says which port the system chose.
+            let addr = listener
+                .local_addr()
+                .context("the admin endpoint's address")?;
             println!("admin on http://{addr}/ (metrics, healthz, readyz, drain)");
             tokio::spawn(admin::serve(listener, server.control()));
         }
@@ -441,6 +445,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("binding the web demo on {addr}"))?;
+            let addr = listener.local_addr().context("the web demo's address")?;
             println!("browser demo on http://{addr}/ (WebTransport on UDP {wt})");
             let renewer = server
                 .webtransport_identity()
