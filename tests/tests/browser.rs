@@ -458,6 +458,7 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
         return;
     };
     let questions = ["What is the capital of France?", "And of Italy?"];
+    let story = "Write a long story about a dragon who learns to cook.";
     // The native client's conversation: its first answer, then the second question asked with
     // both turns before it.
     let first = native_answer(
@@ -480,13 +481,13 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
         ChatMessage::new("user", questions[1]),
     ];
     let second = native_answer(&page.remote, &turns, MAX_TOKENS).await;
-    let hits = |page: &DemoPage| {
-        page.server
-            .metrics()
-            .prefix_hits
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
-    let hits_before = hits(&page);
+    let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
+    assert_eq!(whole.token_ids.len(), 200, "the story is long");
+    // The page talks to a verifier process of this build (the native answers above came from
+    // one in this test process: greedy answers are the same on both).
+    let verifier = WebVerifier::start();
+    page.set_config(serde_json::json!({ "verifiers": [verifier.endpoint.clone()] }));
+    let hits_before = verifier.metric("specinfer_prefix_hits_total");
     let report = page.ask(&questions, MAX_TOKENS, "", None).await;
     let answers = report["answers"].as_array().expect("both answers");
     assert_eq!(
@@ -500,15 +501,12 @@ async fn a_conversation_keeps_its_turns_and_stop_keeps_a_prefix_of_the_answer() 
         "the second answer is not the native client's for the whole conversation"
     );
     assert!(
-        hits(&page) > hits_before,
+        verifier.metric("specinfer_prefix_hits_total") > hits_before,
         "the verifier's prefix cache served no earlier turn"
     );
 
     // Stop, once the answer has 40 characters: it ends after the round in flight, keeping a
     // prefix of the whole answer.
-    let story = "Write a long story about a dragon who learns to cook.";
-    let whole = native_answer(&page.remote, &[ChatMessage::new("user", story)], 200).await;
-    assert_eq!(whole.token_ids.len(), 200, "the story is long");
     let report = page.ask(&[story], 200, "&stop_at=40", None).await;
     let stopped = report_ids(&report);
     assert_eq!(report["stopped"], true, "{report}");
