@@ -266,87 +266,7 @@ impl BrowserClient {
         self.answer = None;
         Ok(())
     }
-}
 
-impl BrowserClient {
-    /// The last answer, whole or stopped, joins the conversation.
-    fn keep_answer(&mut self) {
-        if let Some(a) = self.answer.take() {
-            self.history.push(ChatMessage::new("assistant", &a));
-        }
-    }
-
-    /// Opens the answer to the conversation in `history` (ending with a question).
-    fn open_answer(
-        &mut self,
-        max_tokens: u32,
-        temperature: f32,
-        top_p: f32,
-    ) -> Result<Vec<u8>, BrowserError> {
-        let budget = prompt_budget(self.context_tokens, max_tokens, self.limits.max_tree_nodes);
-        let mut history = std::mem::take(&mut self.history);
-        let tokenizer = self.tokenizer.clone();
-        let prompt_len = |h: &[ChatMessage]| -> Result<usize, BrowserError> {
-            Ok(tokenizer.encode(&tokenizer.chat_prompt(h))?.len())
-        };
-        let trimmed: Result<usize, BrowserError> =
-            forget_oldest_exchanges(&mut history, |h| Ok(prompt_len(h)? <= budget));
-        self.history = history;
-        trimmed?;
-        let prompt = self
-            .tokenizer
-            .encode(&self.tokenizer.chat_prompt(&self.history))?;
-        // Refused before the drafter moves into a driver, which would then keep it.
-        if prompt.is_empty() {
-            return Err(BrowserError::Protocol("empty prompt".into()));
-        }
-        let greedy = SamplingParams {
-            stop_ids: self.tokenizer.eos().to_vec(),
-            ..SamplingParams::greedy(max_tokens)
-        };
-        let (params, draft_mode) = if temperature > 0.0 {
-            if !(top_p > 0.0 && top_p <= 1.0) {
-                return Err(BrowserError::Settings(format!(
-                    "top-p {top_p} is outside (0, 1]"
-                )));
-            }
-            let mut seed = [0u8; 8];
-            getrandom::fill(&mut seed)
-                .map_err(|e| BrowserError::Settings(format!("no randomness for a seed: {e}")))?;
-            let params = SamplingParams {
-                mode: VerifyMode::Stochastic,
-                temperature,
-                top_p,
-                seed: u64::from_le_bytes(seed),
-                ..greedy
-            };
-            (params, DraftMode::sampled(temperature, top_p))
-        } else {
-            (greedy, DraftMode::Greedy)
-        };
-        if let Some(previous) = self.driver.take() {
-            self.drafter = previous.into_drafter();
-        }
-        let mut drafter = self.drafter.take();
-        if let Some(d) = &mut drafter {
-            d.speculator.mode = draft_mode;
-        }
-        let mut driver = RoundDriver::new(prompt, params, drafter)
-            .map_err(|e| BrowserError::Protocol(e.to_string()))?
-            .with_lookup(Some(ContextLookup::default()))
-            .with_text(self.tokenizer.clone());
-        driver.set_limits(&self.limits);
-        self.driver = Some(driver);
-        self.answer = Some(String::new());
-        self.session += 1;
-        self.round = 0;
-        self.resuming = false;
-        Ok(self.open_frame())
-    }
-}
-
-#[wasm_bindgen]
-impl BrowserClient {
     /// Drafts the next tree and returns its Verify frame.
     pub fn next_round(&mut self) -> Result<Vec<u8>, BrowserError> {
         let tree = self
@@ -510,6 +430,81 @@ impl BrowserClient {
 }
 
 impl BrowserClient {
+    /// The last answer, whole or stopped, joins the conversation.
+    fn keep_answer(&mut self) {
+        if let Some(a) = self.answer.take() {
+            self.history.push(ChatMessage::new("assistant", &a));
+        }
+    }
+
+    /// Opens the answer to the conversation in `history` (ending with a question).
+    fn open_answer(
+        &mut self,
+        max_tokens: u32,
+        temperature: f32,
+        top_p: f32,
+    ) -> Result<Vec<u8>, BrowserError> {
+        let budget = prompt_budget(self.context_tokens, max_tokens, self.limits.max_tree_nodes);
+        let mut history = std::mem::take(&mut self.history);
+        let tokenizer = self.tokenizer.clone();
+        let prompt_len = |h: &[ChatMessage]| -> Result<usize, BrowserError> {
+            Ok(tokenizer.encode(&tokenizer.chat_prompt(h))?.len())
+        };
+        let trimmed: Result<usize, BrowserError> =
+            forget_oldest_exchanges(&mut history, |h| Ok(prompt_len(h)? <= budget));
+        self.history = history;
+        trimmed?;
+        let prompt = self
+            .tokenizer
+            .encode(&self.tokenizer.chat_prompt(&self.history))?;
+        // Refused before the drafter moves into a driver, which would then keep it.
+        if prompt.is_empty() {
+            return Err(BrowserError::Protocol("empty prompt".into()));
+        }
+        let greedy = SamplingParams {
+            stop_ids: self.tokenizer.eos().to_vec(),
+            ..SamplingParams::greedy(max_tokens)
+        };
+        let (params, draft_mode) = if temperature > 0.0 {
+            if !(top_p > 0.0 && top_p <= 1.0) {
+                return Err(BrowserError::Settings(format!(
+                    "top-p {top_p} is outside (0, 1]"
+                )));
+            }
+            let mut seed = [0u8; 8];
+            getrandom::fill(&mut seed)
+                .map_err(|e| BrowserError::Settings(format!("no randomness for a seed: {e}")))?;
+            let params = SamplingParams {
+                mode: VerifyMode::Stochastic,
+                temperature,
+                top_p,
+                seed: u64::from_le_bytes(seed),
+                ..greedy
+            };
+            (params, DraftMode::sampled(temperature, top_p))
+        } else {
+            (greedy, DraftMode::Greedy)
+        };
+        if let Some(previous) = self.driver.take() {
+            self.drafter = previous.into_drafter();
+        }
+        let mut drafter = self.drafter.take();
+        if let Some(d) = &mut drafter {
+            d.speculator.mode = draft_mode;
+        }
+        let mut driver = RoundDriver::new(prompt, params, drafter)
+            .map_err(|e| BrowserError::Protocol(e.to_string()))?
+            .with_lookup(Some(ContextLookup::default()))
+            .with_text(self.tokenizer.clone());
+        driver.set_limits(&self.limits);
+        self.driver = Some(driver);
+        self.answer = Some(String::new());
+        self.session += 1;
+        self.round = 0;
+        self.resuming = false;
+        Ok(self.open_frame())
+    }
+
     fn driver_mut(&mut self) -> Result<&mut RoundDriver<'static>, BrowserError> {
         self.driver
             .as_mut()
