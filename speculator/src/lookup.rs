@@ -33,6 +33,18 @@ impl Default for ContextLookup {
 }
 
 impl ContextLookup {
+    /// The lookup a verifier runs for a session it decodes on its own, as `drafting` asks (the
+    /// client's own lookup, so that a hand-off keeps what it gives); `None` for other drafting.
+    pub fn for_server(drafting: specinfer_wire::ServerDrafting) -> Option<ContextLookup> {
+        match drafting {
+            specinfer_wire::ServerDrafting::Lookup { max_tokens } => Some(ContextLookup {
+                max_tokens: max_tokens as usize,
+                ..ContextLookup::default()
+            }),
+            _ => None,
+        }
+    }
+
     /// The tokens that followed the latest earlier occurrence of the longest suffix of `context`
     /// between `min_match` and `max_match` tokens long; empty when no such suffix recurs.
     pub fn continuation<'c>(&self, context: &'c [u32]) -> &'c [u32] {

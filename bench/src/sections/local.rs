@@ -10,7 +10,7 @@
 //! speculative example with the same draft GGUF where the pair has one. Greedy answers are
 //! checked token for token against plain decoding.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
@@ -20,7 +20,7 @@ use specinfer_model::{fetch, gguf_tokenizer_and_context, ChatMessage};
 use specinfer_train::data;
 
 use super::engine::{llama_cpp_rates, llama_cpp_tool, LLAMA_CPP_PYTHON};
-use crate::common::{humaneval_prompts, Section};
+use crate::common::{humaneval_prompts, sibling_exe, Section};
 
 /// One arrangement of our client: its name in the report and its flags.
 struct Arrangement {
@@ -104,21 +104,6 @@ impl Measured {
     fn decode_tokens_per_s(&self) -> f64 {
         self.decode_tokens as f64 / self.decode_s
     }
-}
-
-/// The `specinfer` binary beside this one (`cargo build --release -p specinfer-edge`).
-fn specinfer_exe() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?
-        .parent()
-        .context("the bench binary has a folder")?
-        .join("specinfer");
-    if !exe.exists() {
-        bail!(
-            "{} is missing: build it with `cargo build --release -p specinfer-edge`",
-            exe.display()
-        );
-    }
-    Ok(exe)
 }
 
 fn run_ours(
@@ -259,7 +244,7 @@ pub fn run(quick: bool) -> Result<Section> {
     let cores = format!("0-{}", threads - 1);
     let cache = fetch::cache_dir();
     let (n_prompts, max_new, n_llama_spec) = if quick { (4, 64, 2) } else { (16, 128, 4) };
-    let exe = specinfer_exe()?;
+    let exe = sibling_exe("specinfer", "specinfer-edge")?;
     let bench_exe = llama_cpp_tool(&cache, "llama-bench")?;
     let spec_exe = llama_cpp_tool(&cache, "llama-speculative")?;
     let sets = prompt_sets(n_prompts)?;
