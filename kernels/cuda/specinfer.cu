@@ -10,6 +10,12 @@
 
 typedef unsigned long long u64;
 
+// The launch's dynamic shared memory as an array `name` of `type` (the emulated device,
+// `emulation.h`, gives it as a pointer).
+#ifndef SPECINFER_DYNAMIC_SHARED
+#define SPECINFER_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 // NVRTC has no <math.h> macros.
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -27,7 +33,7 @@ __device__ __forceinline__ void store_as(unsigned short* p, float v) {
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w. One block per row; blockDim.x is a
 // power of two and the dynamic shared memory holds blockDim.x floats.
 extern "C" __global__ void rms_norm(float* out, const float* x, const float* w, int d, float eps) {
-    extern __shared__ float part[];
+    SPECINFER_DYNAMIC_SHARED(float, part);
     const int r = blockIdx.x;
     const float* xr = x + (size_t)r * d;
     float s = 0.0f;
@@ -264,7 +270,7 @@ __device__ __forceinline__ bool beats(float v, int t, float best, int best_t) {
 
 extern "C" __global__ void argmax_rows(int* ids, const float* logits, int cols,
                                        const unsigned* head) {
-    extern __shared__ float part[];
+    SPECINFER_DYNAMIC_SHARED(float, part);
     int* part_t = (int*)(part + blockDim.x);
     const float* x = logits + (size_t)blockIdx.x * cols;
     float best = NEG_INF;
@@ -354,7 +360,7 @@ __device__ void distribution_row(float* p, const float* x, int vocab, float inv_
 // One block per row; dynamic shared memory of blockDim.x floats.
 extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int vocab,
                                          float inv_temperature, float top_p) {
-    extern __shared__ float part[];
+    SPECINFER_DYNAMIC_SHARED(float, part);
     distribution_row(probs + (size_t)blockIdx.x * vocab, logits + (size_t)blockIdx.x * vocab,
                      vocab, inv_temperature, top_p, part);
 }
@@ -388,7 +394,7 @@ extern "C" __global__ void sample_walk(int* out, const float* logits, int vocab,
                                        const float* q_probs, int without_replacement, int n,
                                        const double* u, float inv_temperature, float top_p,
                                        float* p) {
-    extern __shared__ float part[];
+    SPECINFER_DYNAMIC_SHARED(float, part);
     __shared__ double chunk[WALK_THREADS];
     __shared__ int s_accept, s_drew;
     float* saved = p + vocab;

@@ -127,3 +127,66 @@ pub fn compile_cubin(major: i32, minor: i32) -> Result<Vec<u8>, String> {
     let _ = unsafe { result::destroy_program(prog) };
     compiled
 }
+
+/// The emulated device's launcher: [`SOURCE`] compiled as C++ for this machine (see
+/// `kernels/cuda/emulated_device.cpp`), each CUDA thread a fiber.
+pub mod emulated {
+    use std::ffi::{c_char, c_int, c_void, CString};
+
+    extern "C" {
+        fn specinfer_emulated_launch(
+            name: *const c_char,
+            grid: *const u32,
+            block: *const u32,
+            shared: u32,
+            params: *mut *mut c_void,
+            sizes: *const usize,
+            count: usize,
+            err: *mut c_char,
+            err_len: usize,
+        ) -> c_int;
+    }
+
+    /// Runs kernel `name` over `grid` x `block` threads with `shared` bytes of dynamic shared
+    /// memory, as `cuLaunchKernel` would: `params[i]` points to argument i's value, of
+    /// `sizes[i]` bytes (checked against the kernel's signature). Returns when every block has
+    /// finished; a barrier or shuffle some threads never reach, or a launch outside the
+    /// device's limits, is an `Err` naming it.
+    ///
+    /// # Safety
+    /// The arguments must be what the kernel reads and writes: every pointer argument a host
+    /// address holding what the kernel touches through it, for the whole launch.
+    pub unsafe fn launch(
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        params: &mut [*mut c_void],
+        sizes: &[usize],
+    ) -> Result<(), String> {
+        assert_eq!(params.len(), sizes.len(), "one size per parameter");
+        let name = CString::new(name).map_err(|_| "a kernel name with a NUL".to_string())?;
+        let (grid, block) = ([grid.0, grid.1, grid.2], [block.0, block.1, block.2]);
+        let mut err = vec![0u8; 512];
+        // SAFETY: every pointer is valid for the call (err for err.len() bytes); the caller
+        // vouches for the kernel's arguments.
+        let rc = unsafe {
+            specinfer_emulated_launch(
+                name.as_ptr(),
+                grid.as_ptr(),
+                block.as_ptr(),
+                shared,
+                params.as_mut_ptr(),
+                sizes.as_ptr(),
+                params.len(),
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+        Err(String::from_utf8_lossy(&err[..end]).into_owned())
+    }
+}

@@ -20,15 +20,17 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use specinfer_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaViewMut, DevicePtr,
-    DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use specinfer_kernels::cuda::cudarc::nvrtc::Ptx;
-use specinfer_kernels::cuda::{compile_cubin, compile_ptx, nvrtc_version};
-use specinfer_kernels::cuda_libs::loaded_library;
 use specinfer_kernels::projection;
 use specinfer_wire::TokenTree;
+
+pub mod checks;
+pub mod device;
+pub mod driver;
+pub mod emulated;
+
+use device::{Arg, Device, DeviceBuf, Graph, Kernel, Launch};
+pub use driver::CudaDevice;
+pub use emulated::EmulatedDevice;
 
 use crate::kv_slots::{SlotPool, SlotTable};
 use crate::llama::Linear;
@@ -79,15 +81,15 @@ impl std::str::FromStr for Precision {
 
 /// Projection weights on the device, row-major `[out, in]`.
 enum DeviceWeights {
-    F32(CudaSlice<f32>),
+    F32(DeviceBuf<f32>),
     /// bf16 bits.
-    Bf16(CudaSlice<u16>),
+    Bf16(DeviceBuf<u16>),
 }
 
 /// A projection on the device.
 struct DeviceLinear {
     w: DeviceWeights,
-    b: Option<CudaSlice<f32>>,
+    b: Option<DeviceBuf<f32>>,
     out: usize,
     inp: usize,
 }
@@ -103,43 +105,29 @@ impl DeviceLinear {
 }
 
 struct DeviceLayer {
-    attn_norm: CudaSlice<f32>,
+    attn_norm: DeviceBuf<f32>,
     /// The query, key and value projections stacked: each output row is q | k | v.
     qkv: DeviceLinear,
     o: DeviceLinear,
-    ffn_norm: CudaSlice<f32>,
+    ffn_norm: DeviceBuf<f32>,
     /// The gate and up projections stacked: each output row is gate | up.
     gate_up: DeviceLinear,
     down: DeviceLinear,
 }
 
-struct Kernels {
-    rms_norm: CudaFunction,
-    rope: CudaFunction,
-    linear_f32: CudaFunction,
-    linear_bf16: CudaFunction,
-    swiglu: CudaFunction,
-    add_into: CudaFunction,
-    gather_rows: CudaFunction,
-    /// For the K/V precision chosen.
-    store_kv: CudaFunction,
-    tree_attention: CudaFunction,
-    argmax_rows: CudaFunction,
-    sample_walk: CudaFunction,
-}
-
 /// A [`Llama`] on one GPU.
 pub struct CudaLlama {
     cfg: ModelConfig,
-    stream: Arc<CudaStream>,
-    f: Kernels,
-    embed: CudaSlice<f32>,
+    dev: Arc<dyn Device>,
+    /// The K/V store and attention kernels for the K/V precision chosen.
+    store_kv: Kernel,
+    tree_attention: Kernel,
+    embed: DeviceBuf<f32>,
     layers: Vec<DeviceLayer>,
-    final_norm: CudaSlice<f32>,
+    final_norm: DeviceBuf<f32>,
     lm_head: DeviceLinear,
     /// A restricted head's tokens (row i of the head is token ids[i]), on the host and device.
-    head_ids: Option<(Arc<Vec<u32>>, CudaSlice<u32>)>,
-    runtime: String,
+    head_ids: Option<(Arc<Vec<u32>>, DeviceBuf<u32>)>,
     /// The forward's activations, kept between forwards (grown when a batch has more rows):
     /// a forward allocates no activation buffers.
     workspace: Mutex<Workspace>,
@@ -152,11 +140,13 @@ pub struct CudaLlama {
 /// (as u16 units), allocated once for the engine's whole KV memory; sequences hold slots
 /// (pages of one position, see [`crate::kv_slots`]).
 struct KvPool {
-    k: Vec<CudaSlice<u16>>,
-    v: Vec<CudaSlice<u16>>,
+    k: Vec<DeviceBuf<u16>>,
+    v: Vec<DeviceBuf<u16>>,
     slots: Arc<Mutex<SlotPool>>,
     /// Device bytes one position holds over all layers, K and V.
     position_bytes: usize,
+    /// The slot past the pool's, which no sequence holds: padding rows' K/V go there.
+    spare_slot: usize,
 }
 
 /// A forward's inputs and activations, for up to `rows` rows whose ancestor bitsets have up to
@@ -166,58 +156,69 @@ struct Workspace {
     rows: usize,
     words: usize,
     bufs: Option<Buffers>,
-    graphs: HashMap<(usize, usize), Graph>,
+    /// Graphs by shape bucket (rows and ancestor words, each rounded up to a power of two),
+    /// with when each was last replayed (a forward count).
+    graphs: HashMap<(usize, usize), (Box<dyn Graph>, u64)>,
+    forwards: u64,
 }
 
-/// A captured forward's layers. cudarc's graph is not `Send`: CUDA asks that calls on one graph
-/// be serialised, which the workspace's mutex does.
-struct Graph(CudaGraph);
+/// Captured shape buckets kept at once; a new one beyond replaces the least recently used. A
+/// server's batches come in many sizes: buckets make a few graphs serve them all, and the bound
+/// keeps a burst of odd shapes from costing a capture each time.
+pub const MAX_GRAPHS: usize = 16;
 
-// SAFETY: a Graph is only reached through the workspace's Mutex (one thread at a time).
-unsafe impl Send for Graph {}
-
-/// Captured shapes kept at once; beyond, all are dropped and shapes are captured again.
-const MAX_GRAPHS: usize = 64;
+/// The shape a forward of `rows` rows and `words` ancestor words is captured and replayed at:
+/// each rounded up to a power of two (the extra rows are padding, see [`Buffers::pad_table`]).
+fn graph_bucket(rows: usize, words: usize) -> (usize, usize) {
+    (
+        rows.max(1).next_power_of_two(),
+        words.max(1).next_power_of_two(),
+    )
+}
 
 struct Buffers {
     /// Each row's token, position, its sequence's committed count, its node index in its tree
     /// and its sequence's slot table (device address); the ancestor bitsets, [rows, words].
-    tokens: CudaSlice<i32>,
-    positions: CudaSlice<i32>,
-    committed: CudaSlice<i32>,
-    node: CudaSlice<i32>,
-    tables: CudaSlice<u64>,
-    anc: CudaSlice<u64>,
+    tokens: DeviceBuf<i32>,
+    positions: DeviceBuf<i32>,
+    committed: DeviceBuf<i32>,
+    node: DeviceBuf<i32>,
+    tables: DeviceBuf<u64>,
+    anc: DeviceBuf<u64>,
     /// The residual stream, [rows, d_model].
-    x: CudaSlice<f32>,
+    x: DeviceBuf<f32>,
     /// A norm's output, and each projection back to d_model.
-    h: CudaSlice<f32>,
+    h: DeviceBuf<f32>,
     /// Rows of q | k | v.
-    qkv: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
+    qkv: DeviceBuf<f32>,
+    attn: DeviceBuf<f32>,
     /// The final norm's rows of the sequences that want the head, gathered.
-    selected: CudaSlice<f32>,
+    selected: DeviceBuf<f32>,
     /// Rows of gate | up, and the SwiGLU of them.
-    gate_up: CudaSlice<f32>,
-    g: CudaSlice<f32>,
+    gate_up: DeviceBuf<f32>,
+    g: DeviceBuf<f32>,
     /// The head's rows. Shared with the [`Logits`] of the last forward, which copy rows from it
     /// when read; a forward while those are still alive writes into a fresh buffer instead.
-    logits: Arc<CudaSlice<f32>>,
+    logits: Arc<DeviceBuf<f32>>,
     /// Each head row's argmax.
-    ids: CudaSlice<i32>,
+    ids: DeviceBuf<i32>,
+    /// The slot table of padding rows (a replayed graph's rows past the batch's): one entry,
+    /// the K/V pool's spare slot, which no sequence holds.
+    pad_table: DeviceBuf<i32>,
 }
 
 impl Workspace {
     /// Buffers for `rows` rows of `words` ancestor words, reallocated (to the next power of
     /// two) only when they are too small; the captured graphs go with the old ones.
     fn fit(&mut self, model: &CudaLlama, rows: usize, words: usize) -> Result<()> {
+        let (rows, words) = graph_bucket(rows, words);
         if self.bufs.is_none() || rows > self.rows || words > self.words {
-            let cap = rows.next_power_of_two().max(self.rows);
-            let words_cap = words.next_power_of_two().max(self.words);
+            let cap = rows.max(self.rows);
+            let words_cap = words.max(self.words);
             let cfg = &model.cfg;
-            let alloc = |n: usize| model.stream.alloc_zeros::<f32>(cap * n).map_err(gpu_err);
-            let ints = || model.stream.alloc_zeros::<i32>(cap).map_err(gpu_err);
-            let words64 = |n: usize| model.stream.alloc_zeros::<u64>(n).map_err(gpu_err);
+            let dev = &model.dev;
+            let alloc = |n: usize| DeviceBuf::<f32>::zeros(dev, cap * n);
+            let ints = || DeviceBuf::<i32>::zeros(dev, cap);
             self.graphs.clear();
             self.bufs = None;
             self.bufs = Some(Buffers {
@@ -225,8 +226,8 @@ impl Workspace {
                 positions: ints()?,
                 committed: ints()?,
                 node: ints()?,
-                tables: words64(cap)?,
-                anc: words64(cap * words_cap)?,
+                tables: DeviceBuf::zeros(dev, cap)?,
+                anc: DeviceBuf::zeros(dev, cap * words_cap)?,
                 x: alloc(cfg.d_model)?,
                 h: alloc(cfg.d_model)?,
                 qkv: alloc(cfg.n_heads * cfg.head_dim + 2 * cfg.kv_row())?,
@@ -235,19 +236,15 @@ impl Workspace {
                 gate_up: alloc(2 * cfg.ffn_dim)?,
                 g: alloc(cfg.ffn_dim)?,
                 logits: Arc::new(alloc(model.lm_head.out)?),
-                ids: model.stream.alloc_zeros::<i32>(cap).map_err(gpu_err)?,
+                ids: ints()?,
+                pad_table: DeviceBuf::from_host(dev, &[model.kv.spare_slot as i32])?,
             });
             self.rows = cap;
             self.words = words_cap;
         }
         let bufs = self.bufs.as_mut().expect("allocated above");
         if Arc::get_mut(&mut bufs.logits).is_none() {
-            bufs.logits = Arc::new(
-                model
-                    .stream
-                    .alloc_zeros::<f32>(self.rows * model.lm_head.out)
-                    .map_err(gpu_err)?,
-            );
+            bufs.logits = Arc::new(DeviceBuf::zeros(&model.dev, self.rows * model.lm_head.out)?);
         }
         Ok(())
     }
@@ -258,7 +255,7 @@ impl Workspace {
 pub struct CudaKvCache {
     table: SlotTable,
     /// `table`'s slots as i32, room for `device_table.len()` positions (grown by doubling).
-    device_table: CudaSlice<i32>,
+    device_table: DeviceBuf<i32>,
     pool: Arc<Mutex<SlotPool>>,
     position_bytes: usize,
 }
@@ -305,22 +302,46 @@ const THREADS: u32 = 256;
 /// Rows per warp in the projection kernel (`LINEAR_ROWS` in `kernels/cuda/specinfer.cu`).
 const LINEAR_ROWS: usize = 8;
 
-fn elementwise(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(THREADS as usize) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
+/// The largest head the attention kernel holds (`qv[8]` / `acc[8]` per lane of a warp).
+pub const MAX_HEAD_DIM: usize = 256;
+
+fn elementwise(n: usize) -> Launch {
+    Launch {
+        grid: (n.div_ceil(THREADS as usize) as u32, 1, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: 0,
     }
 }
 
-fn per_row(rows: usize, shared_floats: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: shared_floats * 4,
+fn per_row(rows: usize, shared_floats: u32) -> Launch {
+    Launch {
+        grid: (rows as u32, 1, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: shared_floats * 4,
     }
 }
 
+/// Ends a capture however the code between begin and end leaves (a panic included): a stream
+/// left capturing would make every later forward fail.
+struct Capturing<'a> {
+    dev: &'a dyn Device,
+    open: bool,
+}
+
+impl Capturing<'_> {
+    fn end(mut self) -> Result<Option<Box<dyn Graph>>> {
+        self.open = false;
+        self.dev.end_capture()
+    }
+}
+
+impl Drop for Capturing<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            let _ = self.dev.end_capture();
+        }
+    }
+}
 impl CudaLlama {
     /// Uploads `model` to GPU `ordinal`, its projection weights and its K/V in `precision`,
     /// with a K/V pool of `kv_bytes` for all sequences together, compiling the kernels for the
@@ -331,75 +352,31 @@ impl CudaLlama {
         precision: Precision,
         kv_bytes: usize,
     ) -> Result<CudaLlama> {
-        // SAFETY: only probes whether the driver library can be opened.
-        if !unsafe { specinfer_kernels::cuda::cudarc::driver::sys::is_culib_present() } {
-            return Err(gpu_err(
-                "no NVIDIA driver (libcuda.so) on this machine: use --device cpu",
-            ));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(gpu_err)?;
-        let (major, minor) = ctx.compute_capability().map_err(gpu_err)?;
-        if (major, minor) < (7, 5) {
+        let dev: Arc<dyn Device> = Arc::new(CudaDevice::open(ordinal)?);
+        Self::upload_to(model, dev, precision, kv_bytes)
+    }
+
+    /// [`CudaLlama::upload`] to any device (the emulated one included).
+    pub fn upload_to(
+        model: &Llama,
+        dev: Arc<dyn Device>,
+        precision: Precision,
+        kv_bytes: usize,
+    ) -> Result<CudaLlama> {
+        let cfg = &model.cfg;
+        if cfg.head_dim > MAX_HEAD_DIM || cfg.head_dim % 2 != 0 {
             return Err(gpu_err(format!(
-                "compute capability {major}.{minor} is not supported (sm_75 or newer)"
+                "head_dim {} is not supported on the GPU (even, at most {MAX_HEAD_DIM})",
+                cfg.head_dim
             )));
         }
-        let (nvrtc_major, nvrtc_minor) = nvrtc_version().map_err(gpu_err)?;
-        let nvrtc = format!(
-            "NVRTC {nvrtc_major}.{nvrtc_minor} ({})",
-            loaded_library("libnvrtc").map_or("path unknown".into(), |p| p.display().to_string())
-        );
-        // Machine code for exactly this GPU, which the driver loads whatever NVRTC minor made
-        // it; PTX (JIT-compiled by the driver, refused when newer than it) only if NVRTC does
-        // not know the architecture yet.
-        let (module, runtime) = match compile_cubin(major, minor) {
-            Ok(cubin) => (
-                ctx.load_module(Ptx::from_binary(cubin)).map_err(gpu_err)?,
-                format!("{nvrtc}, CUBIN for sm_{major}{minor}"),
-            ),
-            Err(cubin) => {
-                let arch = match (major, minor) {
-                    (m, _) if m >= 9 => "sm_90",
-                    (8, 9) => "sm_89",
-                    (8, 6) => "sm_86",
-                    (8, _) => "sm_80",
-                    _ => "sm_75",
-                };
-                tracing::warn!(%cubin, "no CUBIN for this GPU; loading PTX for {arch}");
-                (
-                    ctx.load_module(compile_ptx(arch).map_err(gpu_err)?)
-                        .map_err(gpu_err)?,
-                    format!("{nvrtc}, PTX for {arch} (JIT)"),
-                )
-            }
-        };
-        let load = |name: &str| module.load_function(name).map_err(gpu_err);
-        let f = Kernels {
-            rms_norm: load("rms_norm")?,
-            rope: load("rope")?,
-            linear_f32: load("linear_f32")?,
-            linear_bf16: load("linear_bf16")?,
-            swiglu: load("swiglu")?,
-            add_into: load("add_into")?,
-            gather_rows: load("gather_rows")?,
-            store_kv: load(match precision {
-                Precision::Bf16 => "store_kv_bf16",
-                Precision::F32 => "store_kv_f32",
-            })?,
-            tree_attention: load(match precision {
-                Precision::Bf16 => "tree_attention_bf16",
-                Precision::F32 => "tree_attention_f32",
-            })?,
-            argmax_rows: load("argmax_rows")?,
-            sample_walk: load("sample_walk")?,
-        };
-        // One stream of our own (the legacy default stream cannot be captured into a graph),
-        // and no cudarc event tracking: with a single stream every use is ordered already, and
-        // tracking records events around every launch.
-        // SAFETY: every buffer of this engine is allocated, used and freed on this one stream.
-        unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(gpu_err)?;
-        let up = |v: &[f32]| stream.clone_htod(v).map_err(gpu_err);
+        if cfg.n_kv_heads == 0 || cfg.n_heads % cfg.n_kv_heads != 0 {
+            return Err(gpu_err(format!(
+                "{} query heads cannot share {} K/V heads",
+                cfg.n_heads, cfg.n_kv_heads
+            )));
+        }
+        let up = |v: &[f32]| DeviceBuf::from_host(&dev, v);
         // Projections that read the same input are stacked into one (their outputs side by side
         // in each row: q|k|v, gate|up), so a layer makes four projection launches, not seven.
         let linear = |parts: &[&Linear]| -> Result<DeviceLinear> {
@@ -419,11 +396,9 @@ impl CudaLlama {
             }
             let w = match precision {
                 Precision::F32 => DeviceWeights::F32(up(&w)?),
-                Precision::Bf16 => DeviceWeights::Bf16(
-                    stream
-                        .clone_htod(&projection::f32_to_bf16(&w))
-                        .map_err(gpu_err)?,
-                ),
+                Precision::Bf16 => {
+                    DeviceWeights::Bf16(DeviceBuf::from_host(&dev, &projection::f32_to_bf16(&w))?)
+                }
             };
             Ok(DeviceLinear {
                 w,
@@ -443,7 +418,6 @@ impl CudaLlama {
                 down: linear(&[&l.down])?,
             });
         }
-        let cfg = &model.cfg;
         let slot_units = cfg.kv_row() * precision.kv_units();
         let position_bytes = 2 * cfg.n_layers * slot_units * 2;
         let slots = kv_bytes / position_bytes;
@@ -453,13 +427,10 @@ impl CudaLlama {
                  each): raise the KV budget"
             )));
         }
-        let pool = || -> Result<Vec<CudaSlice<u16>>> {
+        // One slot more than sequences may hold: padding rows write there.
+        let pool = || -> Result<Vec<DeviceBuf<u16>>> {
             (0..cfg.n_layers)
-                .map(|_| {
-                    stream
-                        .alloc_zeros::<u16>(slots * slot_units)
-                        .map_err(gpu_err)
-                })
+                .map(|_| DeviceBuf::zeros(&dev, (slots + 1) * slot_units))
                 .collect()
         };
         let kv = KvPool {
@@ -467,6 +438,7 @@ impl CudaLlama {
             v: pool()?,
             slots: Arc::new(Mutex::new(SlotPool::new(slots))),
             position_bytes,
+            spare_slot: slots,
         };
         Ok(CudaLlama {
             cfg: model.cfg.clone(),
@@ -475,18 +447,21 @@ impl CudaLlama {
             final_norm: up(&model.final_norm)?,
             lm_head: linear(&[&model.lm_head])?,
             head_ids: match &model.head_ids {
-                Some(ids) => Some((
-                    Arc::new(ids.clone()),
-                    stream.clone_htod(ids).map_err(gpu_err)?,
-                )),
+                Some(ids) => Some((Arc::new(ids.clone()), DeviceBuf::from_host(&dev, ids)?)),
                 None => None,
             },
-            runtime,
             workspace: Default::default(),
             graphs: AtomicBool::new(true),
             layers,
-            f,
-            stream,
+            store_kv: match precision {
+                Precision::Bf16 => Kernel::StoreKvBf16,
+                Precision::F32 => Kernel::StoreKvF32,
+            },
+            tree_attention: match precision {
+                Precision::Bf16 => Kernel::TreeAttentionBf16,
+                Precision::F32 => Kernel::TreeAttentionF32,
+            },
+            dev,
         })
     }
 
@@ -494,9 +469,15 @@ impl CudaLlama {
         &self.cfg
     }
 
-    /// Which NVRTC compiled the kernels, from where, and to what (for logs and reports).
-    pub fn runtime(&self) -> &str {
-        &self.runtime
+    /// The device, and how its kernels were built (for logs and reports).
+    pub fn runtime(&self) -> String {
+        self.dev.describe()
+    }
+
+    /// Waits for every piece of work issued to the device (a timing must, or it times how
+    /// long launching took, not the work).
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize()
     }
 
     /// Bytes of weights on the device (what one decode step must read).
@@ -520,15 +501,15 @@ impl CudaLlama {
     /// (which reads and writes every byte).
     pub fn measure_bandwidth(&self) -> Result<f64> {
         let n = (1usize << 30) / 4;
-        let src = self.stream.alloc_zeros::<f32>(n).map_err(gpu_err)?;
-        let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(gpu_err)?;
-        self.stream.memcpy_dtod(&src, &mut dst).map_err(gpu_err)?;
-        self.stream.synchronize().map_err(gpu_err)?;
+        let src = DeviceBuf::<f32>::zeros(&self.dev, n)?;
+        let mut dst = DeviceBuf::<f32>::zeros(&self.dev, n)?;
+        dst.copy_from(&src)?;
+        self.dev.synchronize()?;
         let t = std::time::Instant::now();
         for _ in 0..10 {
-            self.stream.memcpy_dtod(&src, &mut dst).map_err(gpu_err)?;
+            dst.copy_from(&src)?;
         }
-        self.stream.synchronize().map_err(gpu_err)?;
+        self.dev.synchronize()?;
         Ok(10.0 * 2.0 * (n * 4) as f64 / t.elapsed().as_secs_f64())
     }
 
@@ -536,10 +517,7 @@ impl CudaLlama {
     pub fn new_cache(&self) -> Result<CudaKvCache> {
         Ok(CudaKvCache {
             table: SlotTable::default(),
-            device_table: self
-                .stream
-                .alloc_zeros::<i32>(TABLE_CHUNK)
-                .map_err(gpu_err)?,
+            device_table: DeviceBuf::zeros(&self.dev, TABLE_CHUNK)?,
             pool: self.kv.slots.clone(),
             position_bytes: self.kv.position_bytes,
         })
@@ -561,19 +539,14 @@ impl CudaLlama {
     fn sync_table(&self, cache: &mut CudaKvCache, from: usize) -> Result<()> {
         let slots = cache.table.slots();
         let from = if slots.len() > cache.device_table.len() {
-            cache.device_table = self
-                .stream
-                .alloc_zeros::<i32>(slots.len().next_power_of_two())
-                .map_err(gpu_err)?;
+            cache.device_table = DeviceBuf::zeros(&self.dev, slots.len().next_power_of_two())?;
             0
         } else {
             from
         };
         if from < slots.len() {
             let host: Vec<i32> = slots[from..].iter().map(|&s| s as i32).collect();
-            self.stream
-                .memcpy_htod(&host, &mut cache.device_table.slice_mut(from..slots.len()))
-                .map_err(gpu_err)?;
+            cache.device_table.write(from, &host)?;
         }
         Ok(())
     }
@@ -587,47 +560,48 @@ impl CudaLlama {
         self.sync_table(cache, from)
     }
 
+    fn launch(&self, kernel: Kernel, shape: Launch, args: &[Arg]) -> Result<()> {
+        // SAFETY: every caller passes the buffers and sizes the kernel's contract (in
+        // kernels/cuda/specinfer.cu) asks for, asserted by the caller where not evident.
+        unsafe { self.dev.launch(kernel, shape, args) }
+    }
+
     /// `y = x W^T (+ b)` for the first `rows` rows of `x` into the first of `y` (row-major in,
     /// row-major out), batch invariant.
     fn linear(
         &self,
-        x: &CudaSlice<f32>,
+        x: &DeviceBuf<f32>,
         rows: usize,
         l: &DeviceLinear,
-        y: &mut CudaSlice<f32>,
+        y: &DeviceBuf<f32>,
     ) -> Result<()> {
         assert!(x.len() >= rows * l.inp && y.len() >= rows * l.out);
-        let (rows_i, out_i, in_i) = (rows as i32, l.out as i32, l.inp as i32);
         // One warp per (output column, tile of LINEAR_ROWS rows), four warps per block.
         let warps = l.out * rows.div_ceil(LINEAR_ROWS);
-        let cfg = LaunchConfig {
-            grid_dim: (warps.div_ceil(4) as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let shape = Launch {
+            grid: (warps.div_ceil(4) as u32, 1, 1),
+            block: (128, 1, 1),
+            shared_bytes: 0,
         };
-        let mut launch = match &l.w {
-            DeviceWeights::F32(w) => {
-                let mut launch = self.stream.launch_builder(&self.f.linear_f32);
-                launch.arg(y).arg(x).arg(w);
-                launch
-            }
-            DeviceWeights::Bf16(w) => {
-                let mut launch = self.stream.launch_builder(&self.f.linear_bf16);
-                launch.arg(y).arg(x).arg(w);
-                launch
-            }
+        let (kernel, w) = match &l.w {
+            DeviceWeights::F32(w) => (Kernel::LinearF32, w.arg()),
+            DeviceWeights::Bf16(w) => (Kernel::LinearBf16, w.arg()),
         };
         // A null bias pointer: the kernel adds none.
-        let no_bias = 0u64;
-        match &l.b {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&no_bias),
-        };
-        launch.arg(&rows_i).arg(&out_i).arg(&in_i);
-        // SAFETY: x holds [rows, in], w [out, in] and b [out] (or null), y [rows, out], as the
-        // kernel reads and writes them.
-        unsafe { launch.launch(cfg) }.map_err(gpu_err)?;
-        Ok(())
+        let b = l.b.as_ref().map_or(Arg::Ptr(0), |b| b.arg());
+        self.launch(
+            kernel,
+            shape,
+            &[
+                y.arg(),
+                x.arg(),
+                w,
+                b,
+                Arg::I32(rows as i32),
+                Arg::I32(l.out as i32),
+                Arg::I32(l.inp as i32),
+            ],
+        )
     }
 
     /// The LM head's projection of `x` (`[rows, d_model]`, taken as they are) on the device,
@@ -636,23 +610,15 @@ impl CudaLlama {
     pub fn check_lm_head_projection(&self, x: &[f32], rows: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let l = &self.lm_head;
         assert_eq!(x.len(), rows * l.inp, "x is [rows, d_model]");
-        let dx = self.stream.clone_htod(x).map_err(gpu_err)?;
-        let mut y = self
-            .stream
-            .alloc_zeros::<f32>(rows * l.out)
-            .map_err(gpu_err)?;
-        self.linear(&dx, rows, l, &mut y)?;
-        let device = self.stream.clone_dtoh(&y).map_err(gpu_err)?;
+        let dx = DeviceBuf::from_host(&self.dev, x)?;
+        let y = DeviceBuf::<f32>::zeros(&self.dev, rows * l.out)?;
+        self.linear(&dx, rows, l, &y)?;
+        let device = y.to_host()?;
         let w = match &l.w {
-            DeviceWeights::F32(w) => self.stream.clone_dtoh(w).map_err(gpu_err)?,
-            DeviceWeights::Bf16(w) => {
-                projection::bf16_to_f32(&self.stream.clone_dtoh(w).map_err(gpu_err)?)
-            }
+            DeviceWeights::F32(w) => w.to_host()?,
+            DeviceWeights::Bf16(w) => projection::bf16_to_f32(&w.to_host()?),
         };
-        let b = match &l.b {
-            Some(b) => Some(self.stream.clone_dtoh(b).map_err(gpu_err)?),
-            None => None,
-        };
+        let b = l.b.as_ref().map(|b| b.to_host()).transpose()?;
         let host = projection::warp_linear(x, rows, &w, b.as_deref(), l.out, l.inp);
         Ok((device, host))
     }
@@ -660,77 +626,63 @@ impl CudaLlama {
     /// RMS norm of the first `rows` rows of `x` into `out`.
     fn rms_norm(
         &self,
-        x: &CudaSlice<f32>,
+        x: &DeviceBuf<f32>,
         rows: usize,
-        w: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        w: &DeviceBuf<f32>,
+        out: &DeviceBuf<f32>,
     ) -> Result<()> {
         let d = self.cfg.d_model;
-        assert!(x.len() >= rows * d && out.len() >= rows * d);
-        let (d_i, eps) = (d as i32, self.cfg.rms_eps);
-        // SAFETY: x and out hold rows * d floats, w holds d.
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.rms_norm)
-                .arg(out)
-                .arg(x)
-                .arg(w)
-                .arg(&d_i)
-                .arg(&eps)
-                .launch(per_row(rows, THREADS))
-        }
-        .map_err(gpu_err)?;
-        Ok(())
+        assert!(x.len() >= rows * d && out.len() >= rows * d && w.len() == d);
+        self.launch(
+            Kernel::RmsNorm,
+            per_row(rows, THREADS),
+            &[
+                out.arg(),
+                x.arg(),
+                w.arg(),
+                Arg::I32(d as i32),
+                Arg::F32(self.cfg.rms_eps),
+            ],
+        )
     }
 
     /// `x[..n] += y[..n]`.
-    fn add_into(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<()> {
+    fn add_into(&self, x: &DeviceBuf<f32>, y: &DeviceBuf<f32>, n: usize) -> Result<()> {
         assert!(x.len() >= n && y.len() >= n);
-        let n = n as u64;
-        // SAFETY: x and y hold n floats.
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.add_into)
-                .arg(x)
-                .arg(y)
-                .arg(&n)
-                .launch(elementwise(n as usize))
-        }
-        .map_err(gpu_err)?;
-        Ok(())
+        self.launch(
+            Kernel::AddInto,
+            elementwise(n),
+            &[x.arg(), y.arg(), Arg::U64(n as u64)],
+        )
     }
 
-    /// Rotates the first `heads` heads of each of `rows` rows of `x`, rows `row_stride` floats
-    /// apart (q or k inside rows of q | k | v).
+    /// Rotates the first `heads` heads of each of `rows` rows of `x` from value `at` on, rows
+    /// `row_stride` floats apart (q or k inside rows of q | k | v).
     fn rope(
         &self,
-        x: &mut CudaViewMut<'_, f32>,
+        x: &DeviceBuf<f32>,
+        at: usize,
         row_stride: usize,
-        positions: &CudaSlice<i32>,
+        positions: &DeviceBuf<i32>,
         rows: usize,
         heads: usize,
     ) -> Result<()> {
-        let (heads, hd) = (heads as i32, self.cfg.head_dim as i32);
-        let stride = row_stride as i32;
-        let theta = self.cfg.rope_theta;
+        let hd = self.cfg.head_dim;
+        assert!(x.len() >= at + (rows - 1) * row_stride + heads * hd && positions.len() >= rows);
         let interleaved = (self.cfg.rope_style == RopeStyle::Interleaved) as i32;
-        assert!(x.len() >= (rows - 1) * row_stride + (heads * hd) as usize);
-        // SAFETY: x holds rows rows of heads * hd floats, row_stride apart; positions holds rows
-        // entries.
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.rope)
-                .arg(x)
-                .arg(&stride)
-                .arg(positions)
-                .arg(&heads)
-                .arg(&hd)
-                .arg(&theta)
-                .arg(&interleaved)
-                .launch(per_row(rows, 0))
-        }
-        .map_err(gpu_err)?;
-        Ok(())
+        self.launch(
+            Kernel::Rope,
+            per_row(rows, 0),
+            &[
+                x.arg_at(at),
+                Arg::I32(row_stride as i32),
+                positions.arg(),
+                Arg::I32(heads as i32),
+                Arg::I32(hd as i32),
+                Arg::F32(self.cfg.rope_theta),
+                Arg::I32(interleaved),
+            ],
+        )
     }
 
     /// `dst[i, :] = src[idx[i], :]` for the first `n` entries of `idx`, rows of d_model floats.
@@ -739,167 +691,145 @@ impl CudaLlama {
     /// Those entries must index rows inside `src` (the kernel reads them unchecked).
     unsafe fn gather_rows(
         &self,
-        dst: &mut CudaSlice<f32>,
-        src: &CudaSlice<f32>,
-        idx: &CudaSlice<i32>,
+        dst: &DeviceBuf<f32>,
+        src: &DeviceBuf<f32>,
+        idx: &DeviceBuf<i32>,
         n: usize,
     ) -> Result<()> {
         let d = self.cfg.d_model;
         assert!(idx.len() >= n && dst.len() >= n * d);
-        let d_i = d as i32;
-        // SAFETY: dst holds n rows and idx n entries (asserted); the caller vouches for src.
-        unsafe {
-            self.stream
-                .launch_builder(&self.f.gather_rows)
-                .arg(dst)
-                .arg(src)
-                .arg(idx)
-                .arg(&d_i)
-                .launch(per_row(n, 0))
-        }
-        .map_err(gpu_err)?;
-        Ok(())
-    }
-
-    /// Copies `host` into the start of `device`.
-    fn put<T: DeviceRepr>(&self, host: &[T], device: &mut CudaSlice<T>) -> Result<()> {
-        self.stream
-            .memcpy_htod(host, &mut device.slice_mut(..host.len()))
-            .map_err(gpu_err)
+        self.launch(
+            Kernel::GatherRows,
+            per_row(n, 0),
+            &[dst.arg(), src.arg(), idx.arg(), Arg::I32(d as i32)],
+        )
     }
 
     /// The embeddings and every layer over the workspace's inputs (`rows` nodes, ancestor
     /// bitsets of `words` words): kernel launches only, no copy and no allocation, so that a
     /// stream capture can record them.
-    fn launch_layers(&self, ws: &mut Buffers, rows: usize, words: usize) -> Result<()> {
+    fn launch_layers(&self, ws: &Buffers, rows: usize, words: usize) -> Result<()> {
         let cfg = &self.cfg;
         let (d, hd, kv_row) = (cfg.d_model, cfg.head_dim, cfg.kv_row());
         // The embeddings: the table's rows of the tokens.
-        // SAFETY: every token is inside the table (checked by forward_wanting).
-        unsafe { self.gather_rows(&mut ws.x, &self.embed, &ws.tokens, rows) }?;
-        let (words_i, nodes_i) = (words as i32, rows as i32);
-        let (heads_i, kvh_i, hd_i) = (cfg.n_heads as i32, cfg.n_kv_heads as i32, hd as i32);
-        let kv_row_i = kv_row as i32;
+        // SAFETY: every token is inside the table (checked by forward_wanting; padding rows
+        // hold token 0).
+        unsafe { self.gather_rows(&ws.x, &self.embed, &ws.tokens, rows) }?;
         // Each row of the stacked projection: q (q_row floats), then k and v (kv_row each).
         let q_row = cfg.n_heads * hd;
         let qkv_row = q_row + 2 * kv_row;
-        let qkv_row_i = qkv_row as i32;
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, layer) in self.layers.iter().enumerate() {
-            // The layer's pools, written by the K/V store (through the slots the tables give).
-            let (k_pool, _k_sync) = self.kv.k[li].device_ptr(&self.stream);
-            let (v_pool, _v_sync) = self.kv.v[li].device_ptr(&self.stream);
-            self.rms_norm(&ws.x, rows, &layer.attn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.qkv, &mut ws.qkv)?;
-            self.rope(
-                &mut ws.qkv.slice_mut(..),
-                qkv_row,
-                &ws.positions,
-                rows,
-                cfg.n_heads,
-            )?;
-            self.rope(
-                &mut ws.qkv.slice_mut(q_row..),
-                qkv_row,
-                &ws.positions,
-                rows,
-                cfg.n_kv_heads,
-            )?;
+            self.rms_norm(&ws.x, rows, &layer.attn_norm, &ws.h)?;
+            self.linear(&ws.h, rows, &layer.qkv, &ws.qkv)?;
+            self.rope(&ws.qkv, 0, qkv_row, &ws.positions, rows, cfg.n_heads)?;
+            self.rope(&ws.qkv, q_row, qkv_row, &ws.positions, rows, cfg.n_kv_heads)?;
             // The new nodes' K/V go to each cache's scratch region, behind its committed rows:
             // node n to the slot its table gives position committed[n] + node_in_tree[n].
-            // SAFETY: one block per node; its k and v are kv_row floats at q_row and q_row +
-            // kv_row of its q | k | v row; every table holds committed + tree slots of the pool
-            // (placed above).
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.store_kv)
-                    .arg(&k_pool)
-                    .arg(&v_pool)
-                    .arg(&ws.tables)
-                    .arg(&ws.committed)
-                    .arg(&ws.node)
-                    .arg(&ws.qkv.slice(q_row..))
-                    .arg(&ws.qkv.slice(q_row + kv_row..))
-                    .arg(&qkv_row_i)
-                    .arg(&kv_row_i)
-                    .launch(per_row(rows, 0))
-            }
-            .map_err(gpu_err)?;
+            // One block per node; its k and v are kv_row floats at q_row and q_row + kv_row of
+            // its q | k | v row; every table holds committed + tree slots of the pool (placed
+            // by forward_wanting).
+            let (k_pool, v_pool) = (self.kv.k[li].arg(), self.kv.v[li].arg());
+            self.launch(
+                self.store_kv,
+                per_row(rows, 0),
+                &[
+                    k_pool,
+                    v_pool,
+                    ws.tables.arg(),
+                    ws.committed.arg(),
+                    ws.node.arg(),
+                    ws.qkv.arg_at(q_row),
+                    ws.qkv.arg_at(q_row + kv_row),
+                    Arg::I32(qkv_row as i32),
+                    Arg::I32(kv_row as i32),
+                ],
+            )?;
+            // One warp per (node, head).
             let warps = (rows * cfg.n_heads) as u32;
-            // SAFETY: one warp per (node, head); every pointer and index was built above for
-            // exactly these nodes; tables hold committed + tree slots of the pool.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.tree_attention)
-                    .arg(&mut ws.attn)
-                    .arg(&ws.qkv)
-                    .arg(&qkv_row_i)
-                    .arg(&k_pool)
-                    .arg(&v_pool)
-                    .arg(&ws.tables)
-                    .arg(&ws.committed)
-                    .arg(&ws.node)
-                    .arg(&ws.anc)
-                    .arg(&words_i)
-                    .arg(&nodes_i)
-                    .arg(&heads_i)
-                    .arg(&kvh_i)
-                    .arg(&hd_i)
-                    .arg(&scale)
-                    .launch(LaunchConfig {
-                        grid_dim: (warps.div_ceil(4), 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            }
-            .map_err(gpu_err)?;
-            self.linear(&ws.attn, rows, &layer.o, &mut ws.h)?;
-            self.add_into(&mut ws.x, &ws.h, rows * d)?;
-            self.rms_norm(&ws.x, rows, &layer.ffn_norm, &mut ws.h)?;
-            self.linear(&ws.h, rows, &layer.gate_up, &mut ws.gate_up)?;
-            let n = (rows * cfg.ffn_dim) as u64;
-            let ffn_i = cfg.ffn_dim as i32;
-            // SAFETY: g holds n floats, gate_up rows * 2 * ffn_dim.
-            unsafe {
-                self.stream
-                    .launch_builder(&self.f.swiglu)
-                    .arg(&mut ws.g)
-                    .arg(&ws.gate_up)
-                    .arg(&ffn_i)
-                    .arg(&n)
-                    .launch(elementwise(n as usize))
-            }
-            .map_err(gpu_err)?;
-            self.linear(&ws.g, rows, &layer.down, &mut ws.h)?;
-            self.add_into(&mut ws.x, &ws.h, rows * d)?;
+            self.launch(
+                self.tree_attention,
+                Launch {
+                    grid: (warps.div_ceil(4), 1, 1),
+                    block: (128, 1, 1),
+                    shared_bytes: 0,
+                },
+                &[
+                    ws.attn.arg(),
+                    ws.qkv.arg(),
+                    Arg::I32(qkv_row as i32),
+                    k_pool,
+                    v_pool,
+                    ws.tables.arg(),
+                    ws.committed.arg(),
+                    ws.node.arg(),
+                    ws.anc.arg(),
+                    Arg::I32(words as i32),
+                    Arg::I32(rows as i32),
+                    Arg::I32(cfg.n_heads as i32),
+                    Arg::I32(cfg.n_kv_heads as i32),
+                    Arg::I32(hd as i32),
+                    Arg::F32(scale),
+                ],
+            )?;
+            self.linear(&ws.attn, rows, &layer.o, &ws.h)?;
+            self.add_into(&ws.x, &ws.h, rows * d)?;
+            self.rms_norm(&ws.x, rows, &layer.ffn_norm, &ws.h)?;
+            self.linear(&ws.h, rows, &layer.gate_up, &ws.gate_up)?;
+            let n = rows * cfg.ffn_dim;
+            assert!(ws.g.len() >= n && ws.gate_up.len() >= 2 * n);
+            self.launch(
+                Kernel::Swiglu,
+                elementwise(n),
+                &[
+                    ws.g.arg(),
+                    ws.gate_up.arg(),
+                    Arg::I32(cfg.ffn_dim as i32),
+                    Arg::U64(n as u64),
+                ],
+            )?;
+            self.linear(&ws.g, rows, &layer.down, &ws.h)?;
+            self.add_into(&ws.x, &ws.h, rows * d)?;
         }
         Ok(())
     }
 
-    /// [`CudaLlama::launch_layers`], through a CUDA graph per (rows, words): captured the first
-    /// time a shape comes, replayed after (one launch for some 300). A capture that fails turns
-    /// graphs off for the engine, with a warning; the kernels then launch one by one.
+    /// [`CudaLlama::launch_layers`] for the batch's `rows` rows, through a CUDA graph per shape
+    /// bucket ([`graph_bucket`]): captured the first time a bucket comes, replayed after (one
+    /// launch for some 300), its rows past the batch's padding (inputs written by
+    /// [`CudaLlama::forward_wanting`]). A capture that fails turns graphs off for the engine,
+    /// with a warning; the kernels then launch one by one.
     fn run_layers(&self, ws: &mut Workspace, rows: usize, words: usize) -> Result<()> {
-        use specinfer_kernels::cuda::cudarc::driver::sys;
-        let bufs = ws.bufs.as_mut().expect("fit allocates");
+        let bufs = ws.bufs.as_ref().expect("fit allocates");
         if !self.graphs.load(Ordering::Relaxed) {
             return self.launch_layers(bufs, rows, words);
         }
-        if let Some(graph) = ws.graphs.get(&(rows, words)) {
-            return graph.0.launch().map_err(gpu_err);
+        let bucket = graph_bucket(rows, words);
+        ws.forwards += 1;
+        if let Some((graph, used)) = ws.graphs.get_mut(&bucket) {
+            *used = ws.forwards;
+            return graph.replay();
         }
         if ws.graphs.len() >= MAX_GRAPHS {
-            ws.graphs.clear();
+            let oldest = ws
+                .graphs
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| *k)
+                .expect("the cache is full");
+            ws.graphs.remove(&oldest);
         }
-        self.stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(gpu_err)?;
-        let launched = self.launch_layers(bufs, rows, words);
-        let captured = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        self.dev.begin_capture()?;
+        let capture = Capturing {
+            dev: &*self.dev,
+            open: true,
+        };
+        let launched = self.launch_layers(bufs, bucket.0, bucket.1);
+        let captured = capture.end();
         match (launched, captured) {
             (Ok(()), Ok(Some(graph))) => {
-                graph.launch().map_err(gpu_err)?;
-                ws.graphs.insert((rows, words), Graph(graph));
+                graph.replay()?;
+                ws.graphs.insert(bucket, (graph, ws.forwards));
                 Ok(())
             }
             (launched, captured) => {
@@ -919,6 +849,15 @@ impl CudaLlama {
     /// both compute the same bits; the checks compare them.
     pub fn set_graphs(&self, on: bool) {
         self.graphs.store(on, Ordering::Relaxed);
+    }
+
+    /// Graphs captured and kept now (at most [`MAX_GRAPHS`]).
+    pub fn graphs_cached(&self) -> usize {
+        self.workspace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .graphs
+            .len()
     }
 
     /// Runs every sequence's tree in one pass, as [`Llama::forward`], with every node's logits.
@@ -979,6 +918,9 @@ impl CudaLlama {
             }
         }
         let rows = tokens.len();
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
         // Slots for every new node, and each node's slot table (device address): [node].
         let mut tables: Vec<u64> = Vec::with_capacity(rows);
         for s in seqs.iter_mut() {
@@ -987,22 +929,46 @@ impl CudaLlama {
                     .table
                     .place_tree(&mut locked(&self.kv.slots), s.first, s.tree.len())?;
             self.sync_table(s.cache, from)?;
-            let (table, _sync) = s.cache.device_table.device_ptr(&self.stream);
+            let table = s.cache.device_table.at(0);
             tables.extend(std::iter::repeat_n(table, s.tree.len() - s.first));
         }
 
         let mut guard = self.workspace.lock().unwrap_or_else(|e| e.into_inner());
         let ws: &mut Workspace = &mut guard;
         ws.fit(self, rows, words)?;
+        let b = ws.bufs.as_mut().expect("fit allocates");
+        // A replayed graph runs its bucket's rows: those past the batch's are padding, each a
+        // lone root at position 0 whose table is the pool's spare slot, so that its K/V store
+        // and attention touch nothing a sequence holds.
+        if self.graphs.load(Ordering::Relaxed) {
+            let (bucket_rows, bucket_words) = graph_bucket(rows, words);
+            let pad = bucket_rows - rows;
+            tokens.resize(bucket_rows, 0);
+            positions.resize(bucket_rows, 0);
+            committed.resize(bucket_rows, 0);
+            node_in_tree.resize(bucket_rows, 0);
+            tables.resize(bucket_rows, b.pad_table.at(0));
+            let mut anc = Vec::with_capacity(bucket_rows * bucket_words);
+            for r in 0..bucket_rows {
+                if r < rows {
+                    anc.extend(&anc_words[r * words..(r + 1) * words]);
+                    anc.extend(std::iter::repeat_n(0u64, bucket_words - words));
+                } else {
+                    anc.push(1);
+                    anc.extend(std::iter::repeat_n(0u64, bucket_words - 1));
+                }
+            }
+            anc_words = anc;
+            debug_assert_eq!(tokens.len(), rows + pad);
+        }
         // The batch's inputs into the workspace's, then every layer (replaying a CUDA graph of
         // them when one was captured for this shape).
-        let b = ws.bufs.as_mut().expect("fit allocates");
-        self.put(&tokens, &mut b.tokens)?;
-        self.put(&positions, &mut b.positions)?;
-        self.put(&committed, &mut b.committed)?;
-        self.put(&node_in_tree, &mut b.node)?;
-        self.put(&tables, &mut b.tables)?;
-        self.put(&anc_words, &mut b.anc)?;
+        b.tokens.write(0, &tokens)?;
+        b.positions.write(0, &positions)?;
+        b.committed.write(0, &committed)?;
+        b.node.write(0, &node_in_tree)?;
+        b.tables.write(0, &tables)?;
+        b.anc.write(0, &anc_words)?;
         self.run_layers(ws, rows, words)?;
         let ws = ws.bufs.as_mut().expect("fit allocates");
         // The rows of the sequences that want the head.
@@ -1018,31 +984,27 @@ impl CudaLlama {
         let head_rows = wanted.len();
         let mut ids = vec![0i32; head_rows];
         if head_rows > 0 {
-            self.rms_norm(&ws.x, rows, &self.final_norm, &mut ws.h)?;
+            self.rms_norm(&ws.x, rows, &self.final_norm, &ws.h)?;
             let logits = Arc::get_mut(&mut ws.logits).expect("fit leaves the head rows unshared");
             if head_rows == rows {
                 self.linear(&ws.h, rows, &self.lm_head, logits)?;
             } else {
-                let idx = self.stream.clone_htod(&wanted).map_err(gpu_err)?;
+                let idx = DeviceBuf::from_host(&self.dev, &wanted)?;
                 // SAFETY: idx holds head_rows rows of h ([rows, d]).
-                unsafe { self.gather_rows(&mut ws.selected, &ws.h, &idx, head_rows) }?;
+                unsafe { self.gather_rows(&ws.selected, &ws.h, &idx, head_rows) }?;
                 self.linear(&ws.selected, head_rows, &self.lm_head, logits)?;
             }
             if wants.contains(&Want::Argmax) {
-                let cols = self.lm_head.out as i32;
-                let no_head = 0u64;
-                let mut launch = self.stream.launch_builder(&self.f.argmax_rows);
-                launch.arg(&mut ws.ids).arg(&*ws.logits).arg(&cols);
-                match &self.head_ids {
-                    Some((_, on_device)) => launch.arg(on_device),
-                    None => launch.arg(&no_head),
-                };
-                // SAFETY: logits holds head_rows rows of `cols` floats, ids head_rows ints, the
-                // head's ids (or null) `cols` tokens; shared memory holds THREADS floats and ints.
-                unsafe { launch.launch(per_row(head_rows, 2 * THREADS)) }.map_err(gpu_err)?;
-                self.stream
-                    .memcpy_dtoh(&ws.ids.slice(..head_rows), &mut ids)
-                    .map_err(gpu_err)?;
+                let cols = self.lm_head.out;
+                assert!(ws.logits.len() >= head_rows * cols && ws.ids.len() >= head_rows);
+                let head = self.head_ids.as_ref().map_or(Arg::Ptr(0), |(_, d)| d.arg());
+                // Shared memory holds THREADS floats and THREADS ints.
+                self.launch(
+                    Kernel::ArgmaxRows,
+                    per_row(head_rows, 2 * THREADS),
+                    &[ws.ids.arg(), ws.logits.arg(), Arg::I32(cols as i32), head],
+                )?;
+                ids = ws.ids.read(0..head_rows)?;
             }
         }
         let vocab = cfg.vocab_size;
@@ -1060,10 +1022,10 @@ impl CudaLlama {
                     Box::new(HeadRows {
                         logits: ws.logits.clone(),
                         first: start,
+                        rows: n,
                         cols: self.lm_head.out,
                         vocab,
                         head_ids: self.head_ids.as_ref().map(|(ids, _)| ids.clone()),
-                        walk_kernel: self.f.sample_walk.clone(),
                     }),
                     n,
                     vocab,
@@ -1079,15 +1041,17 @@ impl CudaLlama {
 }
 
 /// A sequence's head rows left on the device by a forward ([`Want::Logits`]): its rows
-/// `first..` of the forward's head buffer, copied to the host one at a time when read.
+/// `first..first + rows` of the forward's head buffer, copied to the host one at a time when
+/// read.
 struct HeadRows {
-    logits: Arc<CudaSlice<f32>>,
+    logits: Arc<DeviceBuf<f32>>,
     first: usize,
+    /// The sequence's rows in this forward: its tree's nodes from the forward's `first` on.
+    rows: usize,
     /// Floats per head row (the vocabulary, or a restricted head's tokens).
     cols: usize,
     vocab: usize,
     head_ids: Option<Arc<Vec<u32>>>,
-    walk_kernel: CudaFunction,
 }
 
 /// Threads of the `sample_walk` kernel's one block (`WALK_THREADS` in the kernels).
@@ -1096,55 +1060,67 @@ const WALK_THREADS: u32 = 256;
 impl HeadRows {
     /// The `sample_walk` kernel over these rows: only the verdict crosses to the host.
     fn walk_on_device(&self, w: &SampleWalk) -> Result<WalkOutcome> {
-        let stream = self.logits.stream();
         let n = w.token.len();
-        let ints = |v: &[i32]| stream.clone_htod(v).map_err(gpu_err);
+        // The walk starts at the root and reads row i for node i: the rows must be the whole
+        // tree's (a forward from `first == 0`).
+        if n != self.rows {
+            return Err(gpu_err(format!(
+                "a sampled walk over a tree of {n} nodes, with the logits of {} of them (the \
+                 forward must start at the root)",
+                self.rows
+            )));
+        }
+        let dev = self.logits.device();
+        let ints = |v: &[i32]| DeviceBuf::from_host(dev, v);
         let (kid_start, kids, token) = (ints(&w.kid_start)?, ints(&w.kids)?, ints(&w.token)?);
         let (drawn_from, q_start, q_ids) =
             (ints(&w.drawn_from)?, ints(&w.q_start)?, ints(&w.q_ids)?);
-        let q_probs = stream.clone_htod(&w.q_probs).map_err(gpu_err)?;
-        let uniforms = stream.clone_htod(&w.uniforms).map_err(gpu_err)?;
-        let mut out = stream.alloc_zeros::<i32>(2 * n + 3).map_err(gpu_err)?;
-        let mut scratch = stream.alloc_zeros::<f32>(2 * self.vocab).map_err(gpu_err)?;
-        let rows = self
-            .logits
-            .slice(self.first * self.cols..(self.first + n) * self.cols);
-        let (vocab, n_i) = (self.vocab as i32, n as i32);
-        let without = w.without_replacement as i32;
+        let q_probs = DeviceBuf::from_host(dev, &w.q_probs)?;
+        let uniforms = DeviceBuf::from_host(dev, &w.uniforms)?;
+        let out = DeviceBuf::<i32>::zeros(dev, 2 * n + 3)?;
+        let scratch = DeviceBuf::<f32>::zeros(dev, 2 * self.vocab)?;
+        assert_eq!(
+            self.cols, self.vocab,
+            "the device walks full-vocabulary heads only"
+        );
+        assert!(self.logits.len() >= (self.first + n) * self.cols);
+        assert!(w.uniforms.len() >= n && w.kid_start.len() == n + 1);
         let (inv_t, top_p) = (1.0 / w.temperature, w.top_p);
-        let mut launch = stream.launch_builder(&self.walk_kernel);
-        launch.arg(&mut out).arg(&rows).arg(&vocab);
-        launch
-            .arg(&kid_start)
-            .arg(&kids)
-            .arg(&token)
-            .arg(&drawn_from);
-        launch
-            .arg(&q_start)
-            .arg(&q_ids)
-            .arg(&q_probs)
-            .arg(&without)
-            .arg(&n_i);
-        launch
-            .arg(&uniforms)
-            .arg(&inv_t)
-            .arg(&top_p)
-            .arg(&mut scratch);
-        // SAFETY: rows holds the tree's n rows of a full-vocabulary head; the tree arrays are
+        // SAFETY: the rows hold the tree's n rows of a full-vocabulary head; the tree arrays are
         // SampleWalk's (children, tokens and proposals of these n nodes, one uniform per node);
         // out holds 2n + 3 ints and scratch 2 * vocab floats, as the kernel writes them.
         unsafe {
-            launch.launch(LaunchConfig {
-                grid_dim: (1, 1, 1),
-                block_dim: (WALK_THREADS, 1, 1),
-                shared_mem_bytes: WALK_THREADS * 4,
-            })
-        }
-        .map_err(gpu_err)?;
-        let out = stream.clone_dtoh(&out).map_err(gpu_err)?;
+            dev.launch(
+                Kernel::SampleWalk,
+                Launch {
+                    grid: (1, 1, 1),
+                    block: (WALK_THREADS, 1, 1),
+                    shared_bytes: WALK_THREADS * 4,
+                },
+                &[
+                    out.arg(),
+                    self.logits.arg_at(self.first * self.cols),
+                    Arg::I32(self.vocab as i32),
+                    kid_start.arg(),
+                    kids.arg(),
+                    token.arg(),
+                    drawn_from.arg(),
+                    q_start.arg(),
+                    q_ids.arg(),
+                    q_probs.arg(),
+                    Arg::I32(w.without_replacement as i32),
+                    Arg::I32(n as i32),
+                    uniforms.arg(),
+                    Arg::F32(inv_t),
+                    Arg::F32(top_p),
+                    scratch.arg(),
+                ],
+            )
+        }?;
+        let out = out.to_host()?;
         let accepted = out[0] as usize;
         let next_token = out[1];
-        if accepted >= n || !(0..vocab).contains(&next_token) {
+        if accepted >= n || !(0..self.vocab as i32).contains(&next_token) {
             return Err(gpu_err(format!(
                 "sample_walk answered {accepted} accepted nodes of {n} and token {next_token}"
             )));
@@ -1162,12 +1138,9 @@ impl HeadRows {
 
 impl DeviceRows for HeadRows {
     fn row(&self, i: usize) -> Result<Vec<f32>> {
+        assert!(i < self.rows, "row {i} of {}", self.rows);
         let at = (self.first + i) * self.cols;
-        let mut row = vec![0f32; self.cols];
-        self.logits
-            .stream()
-            .memcpy_dtoh(&self.logits.slice(at..at + self.cols), &mut row)
-            .map_err(gpu_err)?;
+        let row = self.logits.read(at..at + self.cols)?;
         Ok(match &self.head_ids {
             None => row,
             Some(ids) => {
