@@ -66,6 +66,11 @@ inline unsigned __float_as_uint(float v) {
     memcpy(&u, &v, 4);
     return u;
 }
+// Single-precision operations rounded to nearest, never fused (the build turns contraction off).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 // CUDA's rsqrtf is within 2 ulp; the host's is the correctly rounded 1 / sqrt.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 using std::max;

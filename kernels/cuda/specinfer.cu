@@ -309,67 +309,130 @@ __device__ float block_max(float* part, float v) {
     return r;
 }
 
-__device__ float block_sum(float* part, float v) {
-    part[threadIdx.x] = v;
+// An exact block-wide sum of integers (blockDim.x a power of two, at most WALK_THREADS).
+#define WALK_THREADS 256
+__device__ u64 block_sum_u64(u64 v) {
+    __shared__ u64 part64[WALK_THREADS];
+    part64[threadIdx.x] = v;
     __syncthreads();
     for (int k = blockDim.x / 2; k > 0; k >>= 1) {
-        if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+        if (threadIdx.x < k) part64[threadIdx.x] += part64[threadIdx.x + k];
         __syncthreads();
     }
-    const float r = part[0];
+    const u64 r = part64[0];
     __syncthreads();
     return r;
 }
 
-// A verification distribution, block-wide: p[0..vocab) = softmax(x / temperature), then, when
-// top_p < 1, only the most likely tokens whose mass reaches top_p are kept (the smallest
-// probability threshold found by bisection; the rest become 0) and the row is renormalised.
-// `part` is blockDim.x floats of shared memory.
-__device__ void distribution_row(float* p, const float* x, int vocab, float inv_temperature,
+// The defined arithmetic of `specinfer_kernels::sampling`, op for op, so that the device's
+// sampled verification decides exactly as the host's: `exp_defined` (IEEE operations that the
+// compiler may not fuse), and `FixedMass` (probabilities as whole units of 2^-40 times the
+// largest one's power of two, summed as integers: exact in any order).
+__device__ float exp_defined(float x) {
+    if (!(x >= -87.0f)) return 0.0f;
+    const float k = rintf(__fmul_rn(x, 1.442695f));
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, 0.693145751953125f)),
+                              __fmul_rn(k, 1.428606765330187e-6f));
+    float p = 1.98412698e-4f;
+    p = __fadd_rn(__fmul_rn(p, r), 1.38888889e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.33333333e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.16666667e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.66666667e-1f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    return __fmul_rn(p, __uint_as_float((unsigned)((int)k + 127) << 23));
+}
+
+// Units per 1.0 for values whose largest (positive, finite) is `max`; 0 when there is none.
+__device__ double mass_scale(float max) {
+    if (!(max > 0.0f) || max == __int_as_float(0x7f800000)) return 0.0;
+    const int e = (int)((__float_as_uint(max) >> 23) & 0xff) - 127;
+    return ldexp(1.0, 40 - e);
+}
+
+__device__ u64 mass_units(float x, double scale) {
+    return (x > 0.0f && x != __int_as_float(0x7f800000)) ? (u64)((double)x * scale) : 0ull;
+}
+
+__device__ bool finite_positive(float x) { return x > 0.0f && x != __int_as_float(0x7f800000); }
+
+// The rank key of token i with probability v: larger probability first, then smaller index.
+__device__ u64 rank_key(float v, int i) {
+    return ((u64)__float_as_uint(v) << 32) | (u64)(0xffffffffu - (unsigned)i);
+}
+
+// `normalise`: p /= its FixedMass total, block-wide; false (p unchanged) without mass.
+__device__ bool normalise_row(float* p, int vocab, float* part) {
+    float mx = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+        if (finite_positive(p[i])) mx = fmaxf(mx, p[i]);
+    mx = block_max(part, mx);
+    const double scale = mass_scale(mx);
+    if (scale == 0.0) return false;
+    u64 units = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) units += mass_units(p[i], scale);
+    const double total = (double)block_sum_u64(units) / scale;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = (float)((double)p[i] / total);
+    __syncthreads();
+    return true;
+}
+
+// A verification distribution, block-wide, as the host's `distribution` (without top-k):
+// p = exp_defined((x - max) / temperature), then, when top_p < 1, the shortest prefix of the
+// ranking (probability descending, then token id) whose units reach ceil(top_p * total), found
+// by bisection on the rank key (the largest key whose tokens at or above it hold that much),
+// the rest 0; then normalised. `part` is blockDim.x floats of shared memory.
+__device__ void distribution_row(float* p, const float* x, int vocab, float temperature,
                                  float top_p, float* part) {
     float mx = NEG_INF;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, x[i] * inv_temperature);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, x[i]);
     mx = block_max(part, mx);
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float e = expf(x[i] * inv_temperature - mx);
-        p[i] = e;
-        s += e;
-    }
-    s = block_sum(part, s);
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] /= s;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+        p[i] = exp_defined(__fdiv_rn(__fsub_rn(x[i], mx), temperature));
     __syncthreads();
-    if (top_p >= 1.0f) return;
-    // Largest threshold t whose tokens with p >= t still hold top_p of the mass.
-    float lo = 0.0f, hi = 1.0f;
-    for (int it = 0; it < 40; it++) {
-        const float mid = 0.5f * (lo + hi);
-        float kept = 0.0f;
-        for (int i = threadIdx.x; i < vocab; i += blockDim.x) kept += p[i] >= mid ? p[i] : 0.0f;
-        kept = block_sum(part, kept);
-        if (kept >= top_p) lo = mid; else hi = mid;
+    if (top_p < 1.0f) {
+        float pm = 0.0f;
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+            if (finite_positive(p[i])) pm = fmaxf(pm, p[i]);
+        pm = block_max(part, pm);
+        const double scale = mass_scale(pm);
+        if (scale > 0.0) {
+            u64 units = 0;
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x) units += mass_units(p[i], scale);
+            const u64 total = block_sum_u64(units);
+            const u64 target = (u64)ceil((double)top_p * (double)total);
+            u64 key = 0;
+            for (int bit = 63; bit >= 0; bit--) {
+                const u64 cand = key | (1ull << bit);
+                u64 held = 0;
+                for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+                    if (rank_key(p[i], i) >= cand) held += mass_units(p[i], scale);
+                if (block_sum_u64(held) >= target) key = cand;
+            }
+            for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+                if (rank_key(p[i], i) < key) p[i] = 0.0f;
+            __syncthreads();
+        }
     }
-    float kept = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) kept += p[i] >= lo ? p[i] : 0.0f;
-    kept = block_sum(part, kept);
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = p[i] >= lo ? p[i] / kept : 0.0f;
-    __syncthreads();
+    normalise_row(p, vocab, part);
 }
 
 // Verification distributions of whole rows: probs[r, :] from logits[r, :] (distribution_row).
-// One block per row; dynamic shared memory of blockDim.x floats.
+// One block per row, at most WALK_THREADS threads; dynamic shared memory of blockDim.x floats.
 extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int vocab,
-                                         float inv_temperature, float top_p) {
+                                         float temperature, float top_p) {
     SPECINFER_DYNAMIC_SHARED(float, part);
     distribution_row(probs + (size_t)blockIdx.x * vocab, logits + (size_t)blockIdx.x * vocab,
-                     vocab, inv_temperature, top_p, part);
+                     vocab, temperature, top_p, part);
 }
 
 // Sampled verification of one sequence's tree on the device: multi-step speculative sampling
 // (children drawn i.i.d.) or recursive rejection sampling (drawn without replacement), the host's
-// verify_stochastic step for step, with the uniforms the host drew from the session's RNG in the
-// order the host would use them (one per child tried, then one for the emitted token), so only the
-// logits rows' distributions are computed here and nothing but the verdict crosses to the host.
+// verify_stochastic step for step and bit for bit (the defined arithmetic above), with the
+// uniforms the host drew from the session's RNG in the order the host would use them (one per
+// child tried, then one for the emitted token), so only the logits rows' distributions are
+// computed here and nothing but the verdict crosses to the host.
 // logits: the tree's rows [n, vocab] (a full vocabulary head). The tree: node i's children, in draw
 // order, are kids[kid_start[i] .. kid_start[i + 1]); token[i]; node i >= 1 was drawn from proposal
 // drawn_from[i], whose support is q_ids / q_probs[q_start[d] .. q_start[d + 1]); n nodes. p: 2 *
@@ -377,7 +440,6 @@ extern "C" __global__ void softmax_top_p(float* probs, const float* logits, int 
 // (2 + 2n + 1 ints): the number A of accepted nodes, the emitted token, n slots of which the first
 // A are the accepted nodes, then the children rejected at each depth 1 ..= A + 1. One block of
 // WALK_THREADS threads; dynamic shared memory of WALK_THREADS floats.
-#define WALK_THREADS 256
 
 // Whether token t was drawn from proposal d by one of node's children before its k-th (a draw
 // without replacement removes it from what the later ones were drawn from).
@@ -392,42 +454,55 @@ extern "C" __global__ void sample_walk(int* out, const float* logits, int vocab,
                                        const int* kid_start, const int* kids, const int* token,
                                        const int* drawn_from, const int* q_start, const int* q_ids,
                                        const float* q_probs, int without_replacement, int n,
-                                       const double* u, float inv_temperature, float top_p,
+                                       const double* u, float temperature, float top_p,
                                        float* p) {
     SPECINFER_DYNAMIC_SHARED(float, part);
-    __shared__ double chunk[WALK_THREADS];
+    __shared__ u64 chunk[WALK_THREADS];
     __shared__ int s_accept, s_drew;
     float* saved = p + vocab;
     int node = 0, ui = 0, accepted = 0, depth = 0;
     for (;;) {
-        distribution_row(p, logits + (size_t)node * vocab, vocab, inv_temperature, top_p, part);
+        distribution_row(p, logits + (size_t)node * vocab, vocab, temperature, top_p, part);
         depth++;
         int rejected = 0, next = -1;
         for (int k = kid_start[node]; k < kid_start[node + 1]; k++) {
             const int c = kids[k], d = drawn_from[c], x = token[c];
             const int q0 = q_start[d], q1 = q_start[d + 1];
             if (threadIdx.x == 0) {
-                // q' = proposal d without the tokens its earlier draws at this node took.
-                float removed = 0.0f, qx = 0.0f;
+                // q' = proposal d without the tokens its earlier draws at this node took,
+                // renormalised by the mass actually left (summed in f32, in order, as the host
+                // does); i.i.d. draws use q as sent.
+                float total = 0.0f;
                 for (int j = q0; j < q1; j++) {
                     const bool taken = without_replacement &&
                         drawn_before(kid_start, kids, token, drawn_from, node, k, d, q_ids[j]);
-                    if (taken) removed += q_probs[j];
-                    else if (q_ids[j] == x) qx = q_probs[j];
+                    if (!taken) total = __fadd_rn(total, q_probs[j]);
                 }
-                const float scale = without_replacement ? 1.0f / (1.0f - removed) : 1.0f;
-                qx *= scale;
+                float qx = 0.0f;
+                bool found = false;
+                for (int j = q0; j < q1; j++) {
+                    const bool taken = without_replacement &&
+                        drawn_before(kid_start, kids, token, drawn_from, node, k, d, q_ids[j]);
+                    if (!taken && !found && q_ids[j] == x) {
+                        qx = without_replacement ? __fdiv_rn(q_probs[j], total) : q_probs[j];
+                        found = true;
+                    }
+                }
                 // Accept with min(1, p(x) / q'(x)); q'(x) > 0 since x was drawn from q' (where
                 // rounding made it 0, no uniform is used, as on the host).
                 s_drew = qx > 0.0f;
                 s_accept = s_drew && u[ui] * (double)qx < (double)p[x];
                 if (!s_accept) {
-                    // Residual p <- norm(max(0, p - q')) on q's support; old values saved.
+                    // Residual p <- max(0, p - q') on q's support; old values saved.
                     for (int j = q0; j < q1; j++) {
                         const bool taken = without_replacement &&
                             drawn_before(kid_start, kids, token, drawn_from, node, k, d, q_ids[j]);
                         saved[j - q0] = p[q_ids[j]];
-                        if (!taken) p[q_ids[j]] = fmaxf(p[q_ids[j]] - q_probs[j] * scale, 0.0f);
+                        if (!taken) {
+                            const float w =
+                                without_replacement ? __fdiv_rn(q_probs[j], total) : q_probs[j];
+                            p[q_ids[j]] = fmaxf(__fsub_rn(p[q_ids[j]], w), 0.0f);
+                        }
                     }
                 }
             }
@@ -438,15 +513,10 @@ extern "C" __global__ void sample_walk(int* out, const float* logits, int vocab,
                 break;
             }
             rejected++;
-            float total = 0.0f;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) total += p[i];
-            total = block_sum(part, total);
-            if (total > 0.0f) {
-                for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] /= total;
-            } else if (threadIdx.x == 0) {
-                // Only reachable through rounding when p == q': keep p as it was.
+            // Normalised; where nothing is left (only through rounding when p == q'), p as it
+            // was.
+            if (!normalise_row(p, vocab, part) && threadIdx.x == 0)
                 for (int j = q0; j < q1; j++) p[q_ids[j]] = saved[j - q0];
-            }
             __syncthreads();
         }
         if (threadIdx.x == 0) out[2 + n + depth - 1] = rejected;
@@ -455,43 +525,50 @@ extern "C" __global__ void sample_walk(int* out, const float* logits, int vocab,
         accepted++;
         node = next;
     }
-    // The emitted token: inverse-CDF draw from p (the host's `sample`: never a token of
-    // probability 0; the last such token when rounding leaves the target past the total).
+    // The emitted token: the host's `sample`, an inverse-CDF draw over FixedMass units (never a
+    // token of probability 0; the last positive one when the target is past the total).
+    float mx = 0.0f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
+        if (finite_positive(p[i])) mx = fmaxf(mx, p[i]);
+    mx = block_max(part, mx);
+    const double scale = mass_scale(mx);
     const int per = (vocab + blockDim.x - 1) / blockDim.x;
     const int lo = threadIdx.x * per, hi = min(vocab, lo + per);
-    double mass = 0.0;
-    for (int i = lo; i < hi; i++) mass += p[i] > 0.0f ? (double)p[i] : 0.0;
+    u64 mass = 0;
+    for (int i = lo; i < hi; i++) mass += mass_units(p[i], scale);
     chunk[threadIdx.x] = mass;
     __syncthreads();
     if (threadIdx.x == 0) {
-        double total = 0.0;
-        for (int t = 0; t < (int)blockDim.x; t++) total += chunk[t];
-        const double target = u[ui] * total;
-        double acc = 0.0;
-        int pick = -1, last = 0;
-        for (int t = 0; t < (int)blockDim.x && pick < 0; t++) {
-            if (target >= acc + chunk[t]) {
-                acc += chunk[t];
-                continue;
-            }
-            const int c0 = t * per, c1 = min(vocab, c0 + per);
-            for (int i = c0; i < c1; i++) {
-                if (p[i] > 0.0f) {
-                    acc += (double)p[i];
-                    if (target < acc) {
-                        pick = i;
-                        break;
+        int pick = 0;
+        if (scale > 0.0) {
+            u64 total = 0;
+            for (int t = 0; t < (int)blockDim.x; t++) total += chunk[t];
+            const u64 target = (u64)(u[ui] * (double)total);
+            u64 acc = 0;
+            pick = -1;
+            for (int t = 0; t < (int)blockDim.x && pick < 0; t++) {
+                if (target >= acc + chunk[t]) {
+                    acc += chunk[t];
+                    continue;
+                }
+                const int c0 = t * per, c1 = min(vocab, c0 + per);
+                for (int i = c0; i < c1; i++) {
+                    if (p[i] > 0.0f) {
+                        acc += mass_units(p[i], scale);
+                        if (target < acc) {
+                            pick = i;
+                            break;
+                        }
                     }
                 }
             }
-        }
-        if (pick < 0) {
-            for (int i = vocab - 1; i >= 0; i--)
-                if (p[i] > 0.0f) {
-                    last = i;
-                    break;
-                }
-            pick = last;
+            if (pick < 0) {
+                for (int i = vocab - 1; i >= 0; i--)
+                    if (p[i] > 0.0f) {
+                        pick = i;
+                        break;
+                    }
+            }
         }
         out[0] = accepted;
         out[1] = pick;

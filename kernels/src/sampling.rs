@@ -15,18 +15,92 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
+/// `e^x` for `x <= 0`, computed in a defined sequence of IEEE single-precision operations (no
+/// fused multiply-add, no library call), so that every device that verifies (the CUDA kernels'
+/// `exp_defined`, op for op) gets these bits: a verifier's sampled decisions must not depend on
+/// whose `expf` it linked. Within 2 ulp of `e^x`; 0 below -87 (where `e^x` is under 2^-125, no
+/// token's probability is worth keeping) and for NaN.
+pub fn exp_defined(x: f32) -> f32 {
+    if !(x >= -87.0) {
+        return 0.0;
+    }
+    let k = (x * 1.442_695_f32).round_ties_even();
+    // Cody-Waite: ln 2 in two parts, the first exact in few bits so that k * LN2_HI is exact.
+    let r = (x - k * 0.693_145_751_953_125_f32) - k * 1.428_606_765_330_187e-6_f32;
+    let mut p = 1.984_126_98e-4_f32;
+    p = p * r + 1.388_888_89e-3_f32;
+    p = p * r + 8.333_333_33e-3_f32;
+    p = p * r + 4.166_666_67e-2_f32;
+    p = p * r + 1.666_666_67e-1_f32;
+    p = p * r + 0.5_f32;
+    p = p * r + 1.0_f32;
+    p = p * r + 1.0_f32;
+    // 2^k, k in [-126, 0]: a normal power of two, so the scaling is exact but for subnormals.
+    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
+}
+
+/// Exact, order-independent sums of non-negative f32 values: each value as a whole number of
+/// units of 2^-40 times the largest value's power of two (rounded down), summed as integers.
+/// A device summing thousands of values in parallel gets exactly the host's total, so that
+/// normalisation, the nucleus cut and the inverse-CDF draw decide alike on both. Values below
+/// 2^-41 of the largest count nothing (well under f32's own resolution of the total).
+#[derive(Clone, Copy, Debug)]
+pub struct FixedMass {
+    /// Units per 1.0: 2^(40 - e), e the exponent of the largest value.
+    scale: f64,
+}
+
+impl FixedMass {
+    /// The scale for `values`; `None` when none is positive (and finite).
+    pub fn of(values: &[f32]) -> Option<FixedMass> {
+        let max = values
+            .iter()
+            .copied()
+            .filter(|x| *x > 0.0 && x.is_finite())
+            .fold(0f32, f32::max);
+        (max > 0.0).then(|| {
+            let e = ((max.to_bits() >> 23) & 0xff) as i32 - 127;
+            FixedMass {
+                scale: 2f64.powi(40 - e),
+            }
+        })
+    }
+
+    /// `x`'s units (0 for anything not positive and finite). Below 2^41 for every value of the
+    /// set the scale came from, so sums of up to 2^23 of them fit in a u64.
+    pub fn units(&self, x: f32) -> u64 {
+        if x > 0.0 && x.is_finite() {
+            (x as f64 * self.scale) as u64
+        } else {
+            0
+        }
+    }
+
+    /// A sum of units as a value.
+    pub fn value(&self, units: u64) -> f64 {
+        units as f64 / self.scale
+    }
+
+    fn total(&self, values: &[f32]) -> u64 {
+        values.iter().map(|&x| self.units(x)).sum()
+    }
+}
+
 /// Softmax of `logits / temperature`, restricted to the `top_k` most likely tokens (0: all) and
 /// then to the smallest set whose mass reaches `top_p`, renormalised. Tokens outside get exactly 0.
 /// `temperature` must be > 0 (greedy decoding does not need a distribution).
+///
+/// Defined arithmetic throughout ([`exp_defined`], [`FixedMass`]), so that the GPU's
+/// verification (`distribution_row` in `kernels/cuda/specinfer.cu`) computes the same bits.
 pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) -> Vec<f32> {
     assert!(temperature > 0.0, "temperature must be positive");
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let mut p: Vec<f32> = logits
         .iter()
-        .map(|&l| ((l - max) / temperature).exp())
+        .map(|&l| exp_defined((l - max) / temperature))
         .collect();
     let restrict = (top_k > 0 && top_k < p.len()) || top_p < 1.0;
-    if restrict {
+    if let (true, Some(mass)) = (restrict, FixedMass::of(&p)) {
         let rank = |a: &usize, b: &usize| p[*b].total_cmp(&p[*a]).then(a.cmp(b));
         let mut order: Vec<usize> = (0..p.len()).collect();
         let candidates = if top_k > 0 {
@@ -35,25 +109,27 @@ pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) 
             p.len()
         };
         // The nucleus's mass is measured against the candidates' (all tokens, or the top k).
-        let total: f64 = if candidates < p.len() {
+        let total: u64 = if candidates < p.len() {
             rank_first(&mut order, candidates, rank);
-            order[..candidates].iter().map(|&i| p[i] as f64).sum()
+            order[..candidates].iter().map(|&i| mass.units(p[i])).sum()
         } else {
-            p.iter().map(|&x| x as f64).sum()
+            mass.total(&p)
         };
         let mut keep = candidates;
         if top_p < 1.0 {
-            // Rank only as many as the nucleus needs: the first `ranked` in the full order,
-            // widened until their mass reaches top_p (a peaked distribution needs a few dozen
-            // of a 150,000-token vocabulary; sorting them all cost milliseconds per token). The
-            // prefix and its running sum are those a full sort gives, so the cut is the same.
+            // The shortest prefix of the ranking whose units reach top_p of the total. Rank only
+            // as many as the nucleus needs: the first `ranked` in the full order, widened until
+            // their mass reaches it (a peaked distribution needs a few dozen of a 150,000-token
+            // vocabulary; sorting them all cost milliseconds per token). The prefix and its
+            // running sum are those a full sort gives, so the cut is the same.
+            let target = (top_p as f64 * total as f64).ceil() as u64;
             let mut ranked = candidates.min(64);
             'widen: loop {
                 rank_first(&mut order[..candidates], ranked, rank);
-                let mut mass = 0f64;
+                let mut units = 0u64;
                 for (n, &i) in order[..ranked].iter().enumerate() {
-                    mass += p[i] as f64;
-                    if mass >= top_p as f64 * total {
+                    units += mass.units(p[i]);
+                    if units >= target {
                         keep = n + 1;
                         break 'widen;
                     }
@@ -74,27 +150,29 @@ pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) 
     p
 }
 
-/// Scales `p` to sum to 1. Returns false (and leaves `p` unchanged) when it has no mass.
+/// Scales `p` (non-negative, at most 1 each) to sum to 1, by its [`FixedMass`] total. Returns
+/// false (and leaves `p` unchanged) when it has no mass.
 pub fn normalise(p: &mut [f32]) -> bool {
-    let total: f64 = p.iter().map(|&x| x as f64).sum();
-    if total <= 0.0 || !total.is_finite() {
+    let Some(mass) = FixedMass::of(p) else {
         return false;
-    }
-    let inv = (1.0 / total) as f32;
-    p.iter_mut().for_each(|x| *x *= inv);
+    };
+    let total = mass.value(mass.total(p));
+    p.iter_mut().for_each(|x| *x = (*x as f64 / total) as f32);
     true
 }
 
-/// Inverse-CDF draw from `p` (not necessarily normalised) with a uniform `u` in [0, 1). Never
-/// returns an index of probability 0.
+/// Inverse-CDF draw from `p` (not necessarily normalised) with a uniform `u` in [0, 1), over
+/// [`FixedMass`] units. Never returns an index of probability 0.
 pub fn sample(p: &[f32], u: f64) -> usize {
-    let total: f64 = p.iter().map(|&x| x as f64).sum();
-    let target = u * total;
-    let mut acc = 0f64;
+    let Some(mass) = FixedMass::of(p) else {
+        return 0;
+    };
+    let target = (u * mass.total(p) as f64) as u64;
+    let mut acc = 0u64;
     let mut last = 0;
     for (i, &x) in p.iter().enumerate() {
         if x > 0.0 {
-            acc += x as f64;
+            acc += mass.units(x);
             last = i;
             if target < acc {
                 return i;
@@ -171,20 +249,23 @@ mod tests {
                 rng.random_range(0..12),
                 rng.random_range(0.05f32..1.2).min(1.0),
             );
-            // The full-sort reference.
-            let mut full: Vec<f32> = logits.iter().map(|&l| l.exp()).collect();
+            // The full-sort reference, in the same defined arithmetic.
+            let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let full: Vec<f32> = logits.iter().map(|&l| exp_defined(l - max)).collect();
             let total: f32 = full.iter().sum();
-            full.iter_mut().for_each(|x| *x /= total);
             let mut order: Vec<usize> = (0..n).collect();
             order.sort_unstable_by(|&a, &b| full[b].total_cmp(&full[a]).then(a.cmp(&b)));
             let mut keep = if k > 0 { k.min(n) } else { n };
-            let mass: f32 = order[..keep].iter().map(|&i| full[i]).sum();
-            let mut acc = 0.0;
-            for (j, &i) in order[..keep].iter().enumerate() {
-                acc += full[i];
-                if top_p < 1.0 && acc >= top_p * mass {
-                    keep = j + 1;
-                    break;
+            if let Some(units) = FixedMass::of(&full) {
+                let mass: u64 = order[..keep].iter().map(|&i| units.units(full[i])).sum();
+                let target = (top_p as f64 * mass as f64).ceil() as u64;
+                let mut acc = 0;
+                for (j, &i) in order[..keep].iter().enumerate() {
+                    acc += units.units(full[i]);
+                    if top_p < 1.0 && acc >= target {
+                        keep = j + 1;
+                        break;
+                    }
                 }
             }
             let kept = |p: &[f32]| -> Vec<usize> { (0..n).filter(|&i| p[i] > 0.0).collect() };
@@ -232,15 +313,17 @@ mod tests {
             let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = logits
                 .iter()
-                .map(|&l| ((l - max) / temperature).exp())
+                .map(|&l| exp_defined((l - max) / temperature))
                 .collect();
             let mut order: Vec<usize> = (0..n).collect();
             order.sort_unstable_by(|&a, &b| e[b].total_cmp(&e[a]).then(a.cmp(&b)));
-            let total: f64 = e.iter().map(|&x| x as f64).sum();
-            let (mut mass, mut keep) = (0f64, n);
+            let units = FixedMass::of(&e).unwrap();
+            let total: u64 = e.iter().map(|&x| units.units(x)).sum();
+            let target = (top_p as f64 * total as f64).ceil() as u64;
+            let (mut mass, mut keep) = (0u64, n);
             for (j, &i) in order.iter().enumerate() {
-                mass += e[i] as f64;
-                if mass >= top_p as f64 * total {
+                mass += units.units(e[i]);
+                if mass >= target {
                     keep = j + 1;
                     break;
                 }
@@ -258,6 +341,43 @@ mod tests {
                 "case {case}: n {n}, T {temperature}, top-p {top_p}, kept {keep}"
             );
         }
+    }
+
+    /// The defined exponential against f64's, over the range verification uses.
+    #[test]
+    fn the_defined_exponential_is_within_two_ulp() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let got = exp_defined(x) as f64;
+            let want = (x as f64).exp();
+            // Relative to want's ulp in f32 (2^-23 of its power of two).
+            let ulp = 2f64.powi((want.log2().floor() as i32) - 23);
+            worst = worst.max((got - want).abs() / ulp);
+            x += 0.000_731;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp_defined(0.0), 1.0);
+        assert_eq!(exp_defined(-88.0), 0.0);
+        assert_eq!(exp_defined(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_defined(f32::NAN), 0.0);
+    }
+
+    /// Normalised distributions sum to 1 within f32 rounding, whatever the scale of the input
+    /// (tiny residuals included), and a value's units do not depend on the others' order.
+    #[test]
+    fn fixed_mass_normalises_at_any_scale() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for scale in [1.0f32, 1e-3, 1e-12, 1e-30] {
+            let mut p: Vec<f32> = (0..5000).map(|_| rng.random::<f32>() * scale).collect();
+            p[7] = 0.0;
+            assert!(normalise(&mut p));
+            let sum: f64 = p.iter().map(|&x| x as f64).sum();
+            assert!((sum - 1.0).abs() < 1e-5, "scale {scale}: sums to {sum}");
+            assert_eq!(p[7], 0.0);
+        }
+        assert!(!normalise(&mut [0.0, -1.0, f32::NAN]));
     }
 
     #[test]

@@ -1085,7 +1085,6 @@ impl HeadRows {
         );
         assert!(self.logits.len() >= (self.first + n) * self.cols);
         assert!(w.uniforms.len() >= n && w.kid_start.len() == n + 1);
-        let (inv_t, top_p) = (1.0 / w.temperature, w.top_p);
         // SAFETY: the rows hold the tree's n rows of a full-vocabulary head; the tree arrays are
         // SampleWalk's (children, tokens and proposals of these n nodes, one uniform per node);
         // out holds 2n + 3 ints and scratch 2 * vocab floats, as the kernel writes them.
@@ -1111,8 +1110,8 @@ impl HeadRows {
                     Arg::I32(w.without_replacement as i32),
                     Arg::I32(n as i32),
                     uniforms.arg(),
-                    Arg::F32(inv_t),
-                    Arg::F32(top_p),
+                    Arg::F32(w.temperature),
+                    Arg::F32(w.top_p),
                     scratch.arg(),
                 ],
             )

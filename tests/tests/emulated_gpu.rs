@@ -1,0 +1,254 @@
+//! The GPU engine behind the verifier service, on the emulated CUDA device
+//! (`specinfer_model::cuda::EmulatedDevice`: `kernels/cuda/specinfer.cu` built for the host, a
+//! fiber per CUDA thread): whole generations through the real client, QUIC and the service,
+//! against the same service on the CPU engine, and the device's sampled walk against the host's.
+//! Run by `scripts/test` (`--features cuda`); a tiny random Qwen2 model (NEOX RoPE, qkv bias)
+//! keeps the emulation fast.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use specinfer_edge::{Client, Generation};
+use specinfer_integration::{NoisyDraft, API_KEY};
+use specinfer_model::cuda::{CudaLlama, CudaSeqTree, EmulatedDevice, Precision};
+use specinfer_model::{Arch, Llama, ModelConfig, SampleWalk};
+use specinfer_speculator::{DraftMode, Drafter, RoundDriver, Speculator};
+use specinfer_verifier::engine::EngineConfig;
+use specinfer_verifier::service::{self, ServiceConfig};
+use specinfer_verifier::verify::{verify_stochastic, Verdict};
+use specinfer_wire::{
+    DrawMode, ModelFingerprint, Proposals, SamplingParams, SparseDist, TokenTree,
+};
+
+/// The tiny model: the same weights on every call (seeded).
+fn tiny_model() -> Llama {
+    Llama::random(ModelConfig::tiny(Arch::Qwen2), 7, None).unwrap()
+}
+
+fn tiny() -> &'static Llama {
+    static MODEL: std::sync::OnceLock<Llama> = std::sync::OnceLock::new();
+    MODEL.get_or_init(tiny_model)
+}
+
+fn on_emulated_gpu(model: &Llama) -> CudaLlama {
+    CudaLlama::upload_to(
+        model,
+        EmulatedDevice::new().shared(),
+        Precision::F32,
+        64 << 20,
+    )
+    .unwrap()
+}
+
+fn service_config() -> ServiceConfig {
+    ServiceConfig {
+        engine: EngineConfig::default(),
+        api_keys: None,
+        model_name: "tiny-qwen2".into(),
+        fingerprint: ModelFingerprint {
+            vocab_size: 101,
+            bos: None,
+            eos: Vec::new(),
+            tokenizer_sha256: [7; 32],
+        },
+        hello_timeout: Duration::from_secs(5),
+        connections: Default::default(),
+        server_draft: None,
+    }
+}
+
+/// One generation through a verifier at `remote`, trees drafted (when `tree` is given) by the
+/// LLM with seeded noise on its logits, so that rounds accept and reject at every depth.
+async fn generate(
+    remote: &specinfer_net::RemoteConfig,
+    prompt: &[u32],
+    params: SamplingParams,
+    tree: Option<(Vec<usize>, DraftMode, u64)>,
+) -> Generation {
+    let drafter = tree.map(|(expansion, mode, seed)| Drafter {
+        speculator: Speculator::new(expansion, mode, seed),
+        drafts: vec![Box::new(NoisyDraft::new(tiny(), seed, 1.5))],
+    });
+    let mut driver = RoundDriver::new(prompt.to_vec(), params, drafter)
+        .unwrap()
+        .with_hand_off(false);
+    let mut client = Client::connect(remote.clone()).await.unwrap();
+    let g = client.generate(&mut driver, |_| {}).await.unwrap();
+    client.shutdown().await;
+    g
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_generation_through_the_service_on_the_emulated_gpu_equals_the_cpu_engines() {
+    let (cpu, cpu_remote) =
+        service::start_loopback(Arc::new(tiny_model()), API_KEY.into(), service_config()).unwrap();
+    let (gpu, gpu_remote) = service::start_loopback(
+        Arc::new(on_emulated_gpu(tiny())),
+        API_KEY.into(),
+        service_config(),
+    )
+    .unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    for case in 0..2u64 {
+        let prompt: Vec<u32> = (0..20 + 7 * case)
+            .map(|_| rng.random_range(0..101))
+            .collect();
+        let params = SamplingParams::greedy(48);
+        let reference = generate(&cpu_remote, &prompt, params.clone(), None).await;
+        assert_eq!(reference.token_ids.len(), 48);
+        let plain = generate(&gpu_remote, &prompt, params.clone(), None).await;
+        assert_eq!(
+            plain.token_ids, reference.token_ids,
+            "plain decoding, prompt {case}"
+        );
+        let tree = Some((vec![2, 2, 1, 1], DraftMode::Greedy, case));
+        let spec = generate(&gpu_remote, &prompt, params.clone(), tree).await;
+        assert_eq!(
+            spec.token_ids, reference.token_ids,
+            "speculative decoding, prompt {case}"
+        );
+        assert!(
+            spec.stats.rounds < 48,
+            "the trees never had a node accepted ({} rounds)",
+            spec.stats.rounds
+        );
+        println!(
+            "prompt {case}: 48 tokens identical; speculative on the emulated GPU in {} rounds",
+            spec.stats.rounds
+        );
+    }
+    cpu.shutdown().await;
+    gpu.shutdown().await;
+}
+
+/// A tree whose root has `k` children drawn from a proposal over `support` tokens (with or
+/// without replacement), one child of the first of them drawn likewise: two depths of
+/// rejections and residuals.
+fn sampled_tree(rng: &mut impl Rng, root: u32, k: usize, mode: DrawMode, vocab: u32) -> TokenTree {
+    let support: Vec<u32> = {
+        let mut s: Vec<u32> = (0..vocab).collect();
+        for i in 0..8 {
+            let j = rng.random_range(i..s.len());
+            s.swap(i, j);
+        }
+        s.truncate(8);
+        s
+    };
+    let raw: Vec<f32> = (0..8).map(|_| rng.random_range(0.05f32..1.0)).collect();
+    let total: f32 = raw.iter().sum();
+    let probs: Vec<f32> = raw.iter().map(|w| w / total).collect();
+    let draw = |rng: &mut dyn rand::RngCore, taken: &mut Vec<u32>| -> u32 {
+        loop {
+            let u: f32 = rng.random();
+            let mut acc = 0.0;
+            let mut pick = support[7];
+            for (t, p) in support.iter().zip(&probs) {
+                acc += p;
+                if u < acc {
+                    pick = *t;
+                    break;
+                }
+            }
+            if mode == DrawMode::Iid || !taken.contains(&pick) {
+                taken.push(pick);
+                return pick;
+            }
+        }
+    };
+    let mut tree = TokenTree::root(root);
+    let mut taken = Vec::new();
+    for _ in 0..k {
+        tree.push(0, draw(rng, &mut taken));
+    }
+    let mut deeper = Vec::new();
+    tree.push(1, draw(rng, &mut deeper));
+    let dist = |node| SparseDist {
+        node,
+        ids: support.clone(),
+        probs: probs.clone(),
+    };
+    let mut drawn_from = vec![0u32; k];
+    drawn_from.push(1);
+    tree.with_proposals(Proposals {
+        mode,
+        dists: vec![dist(0), dist(1)],
+        drawn_from,
+    })
+    .unwrap()
+}
+
+/// The device's sampled verification (`sample_walk`) decides exactly as the host's
+/// `verify_stochastic` on the same logits and uniforms: i.i.d. and without-replacement draws,
+/// temperatures and top-p values, 100 trees each.
+#[test]
+fn the_device_walk_decides_exactly_as_the_host_walk() {
+    let model = tiny();
+    let gpu = on_emulated_gpu(model);
+    let vocab = model.config().vocab_size as u32;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let prompt: Vec<u32> = (0..12).map(|_| rng.random_range(0..vocab)).collect();
+    let mut cache = gpu.new_cache().unwrap();
+    let chain = TokenTree::chain(&prompt[..11]);
+    gpu.forward(&mut [CudaSeqTree {
+        cache: &mut cache,
+        tree: &chain,
+        first: 0,
+    }])
+    .unwrap();
+    gpu.compact(&mut cache, &(0..11).collect::<Vec<u32>>())
+        .unwrap();
+    let (mut differ, mut walks) = (0, 0);
+    for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+        for (temperature, top_p) in [(1.0f32, 1.0f32), (0.7, 0.9), (0.3, 0.5)] {
+            for _ in 0..100 {
+                let tree = sampled_tree(&mut rng, prompt[11], 3, mode, vocab);
+                let logits = gpu
+                    .forward(&mut [CudaSeqTree {
+                        cache: &mut cache,
+                        tree: &tree,
+                        first: 0,
+                    }])
+                    .unwrap()
+                    .remove(0);
+                let seed: u64 = rng.random();
+                let stream = || {
+                    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+                    r.set_stream(9);
+                    r
+                };
+                let mut uniforms_rng = stream();
+                let uniforms = (0..tree.len())
+                    .map(|_| uniforms_rng.random::<f64>())
+                    .collect();
+                let walk = SampleWalk::new(&tree, temperature, top_p, uniforms).unwrap();
+                let device = Verdict::from_walk(logits.walk_on_device(&walk).unwrap().unwrap());
+                let dist = |n: usize| {
+                    specinfer_kernels::sampling::distribution(logits.node(n), temperature, 0, top_p)
+                };
+                let host = verify_stochastic(&tree, dist, &mut stream());
+                walks += 1;
+                if (
+                    &device.accepted,
+                    device.next_token,
+                    &device.rejected_at_depth,
+                ) != (&host.accepted, host.next_token, &host.rejected_at_depth)
+                {
+                    differ += 1;
+                    if differ <= 3 {
+                        eprintln!(
+                            "{mode:?} T {temperature} top-p {top_p}: device {:?} / {} / {:?}, host {:?} / {} / {:?}",
+                            device.accepted, device.next_token, device.rejected_at_depth,
+                            host.accepted, host.next_token, host.rejected_at_depth
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(
+        differ, 0,
+        "{differ} of {walks} walks decided otherwise on the device"
+    );
+}
