@@ -1054,6 +1054,11 @@ impl<M: TreeModel> Engine<M> {
                 return;
             }
         };
+        // A GPU's forward may still be running (prefill chunks and sampled rounds read nothing
+        // back): the cost fit must time the work, not its launches.
+        if let Err(e) = self.model.synchronize() {
+            tracing::warn!(error = %e, "waiting for the device after a batch");
+        }
         let forward = started.elapsed();
         let rounds = jobs
             .iter()

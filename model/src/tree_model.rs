@@ -54,6 +54,13 @@ pub trait TreeModel: Send + Sync {
     /// Whether [`TreeModel::forward_trees`] gives every node's feature ([`Logits::feature`]),
     /// which a session asks for to feed a feature-conditioned drafter.
     fn gives_features(&self) -> bool;
+
+    /// Waits until the work of every forward issued so far has finished. An engine whose
+    /// forwards return before their work is done (a GPU's launches) must: a forward timed
+    /// without it measures queueing, not the forward.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl TreeModel for Llama {
@@ -164,5 +171,9 @@ impl TreeModel for crate::cuda::CudaLlama {
     /// Not yet: its forward keeps the final hidden states on the device.
     fn gives_features(&self) -> bool {
         false
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        crate::cuda::CudaLlama::synchronize(self)
     }
 }

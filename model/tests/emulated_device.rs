@@ -10,8 +10,9 @@ use std::sync::Arc;
 
 use specinfer_model::cuda::checks::{exact_checks, Report};
 use specinfer_model::cuda::device::Device;
-use specinfer_model::cuda::EmulatedDevice;
-use specinfer_model::{Arch, Llama, ModelConfig};
+use specinfer_model::cuda::{CudaKvCache, CudaLlama, CudaSeqTree, EmulatedDevice, Precision};
+use specinfer_model::{Arch, Llama, ModelConfig, SampleWalk};
+use specinfer_wire::TokenTree;
 
 fn emulated() -> Arc<dyn Device> {
     EmulatedDevice::new().shared()
@@ -104,4 +105,160 @@ fn the_device_distribution_equals_the_hosts_bit_for_bit() {
         }
     }
     println!("{checked} rows of {vocab} identical");
+}
+
+fn prefilled(gpu: &CudaLlama, prompt: &[u32]) -> CudaKvCache {
+    let mut cache = gpu.new_cache().unwrap();
+    let chain = TokenTree::chain(prompt);
+    gpu.forward(&mut [CudaSeqTree {
+        cache: &mut cache,
+        tree: &chain,
+        first: 0,
+    }])
+    .unwrap();
+    gpu.compact(&mut cache, &(0..prompt.len() as u32).collect::<Vec<_>>())
+        .unwrap();
+    cache
+}
+
+fn logits_of(gpu: &CudaLlama, cache: &mut CudaKvCache, tree: &TokenTree) -> Vec<Vec<f32>> {
+    let out = gpu
+        .forward(&mut [CudaSeqTree {
+            cache,
+            tree,
+            first: 0,
+        }])
+        .unwrap()
+        .remove(0);
+    (0..tree.len()).map(|n| out.node(n).to_vec()).collect()
+}
+
+/// A panic in the middle of a forward's graph capture (an assertion in the launch code) must
+/// not leave the device capturing: the next forward works and gives the right logits.
+#[test]
+fn a_panic_during_a_graph_capture_leaves_the_engine_usable() {
+    let cpu = Llama::random(ModelConfig::tiny(Arch::Llama), 11, None).unwrap();
+    let device = EmulatedDevice::new();
+    let gpu = CudaLlama::upload_to(&cpu, device.shared(), Precision::F32, 16 << 20).unwrap();
+    let mut cache = prefilled(&gpu, &[1, 2, 3, 4]);
+    // A new shape's first forward (6 rows: the bucket of 8) captures its layers: the fault
+    // lands inside the capture.
+    let tree = TokenTree::chain(&[5, 6, 7, 8, 9, 10]);
+    device.panic_at_launch(device.issued() + 5);
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        gpu.forward(&mut [CudaSeqTree {
+            cache: &mut cache,
+            tree: &tree,
+            first: 0,
+        }])
+    }));
+    assert!(failed.is_err(), "the injected fault did not fire");
+    let mut cache = prefilled(&gpu, &[1, 2, 3, 4]);
+    let got = logits_of(&gpu, &mut cache, &tree);
+    let mut kv = specinfer_model::KvCache::new(cpu.config());
+    cpu.prefill(&mut kv, &[1, 2, 3, 4]).unwrap();
+    let want = cpu
+        .forward(&mut [specinfer_model::SeqTree::new(&mut kv, &tree)])
+        .unwrap()
+        .remove(0);
+    for (n, got) in got.iter().enumerate() {
+        let worst = got
+            .iter()
+            .zip(want.node(n))
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-3, "node {n}: {worst}");
+    }
+}
+
+/// The device walk reads row i for node i: logits of a forward that started past the root
+/// (`first > 0`) are refused with an error, not walked over the wrong rows.
+#[test]
+fn a_device_walk_over_logits_not_from_the_root_is_an_error() {
+    use specinfer_wire::{DrawMode, Proposals, SparseDist};
+    let cpu = Llama::random(ModelConfig::tiny(Arch::Qwen2), 12, None).unwrap();
+    let gpu = CudaLlama::upload_to(&cpu, emulated(), Precision::F32, 16 << 20).unwrap();
+    let mut cache = prefilled(&gpu, &[1, 2, 3]);
+    let mut tree = TokenTree::root(4);
+    for t in [5, 6, 7] {
+        tree.push(0, t);
+    }
+    let tree = tree
+        .with_proposals(Proposals {
+            mode: DrawMode::WithoutReplacement,
+            dists: vec![SparseDist {
+                node: 0,
+                ids: vec![5, 6, 7, 8],
+                probs: vec![0.25; 4],
+            }],
+            drawn_from: vec![0; 3],
+        })
+        .unwrap();
+    let mut head = tree.clone();
+    head.truncate(2);
+    gpu.forward(&mut [CudaSeqTree {
+        cache: &mut cache,
+        tree: &head,
+        first: 0,
+    }])
+    .unwrap();
+    let rest = gpu
+        .forward(&mut [CudaSeqTree {
+            cache: &mut cache,
+            tree: &tree,
+            first: 2,
+        }])
+        .unwrap()
+        .remove(0);
+    let walk = SampleWalk::new(&tree, 0.8, 1.0, vec![0.5; 4]).unwrap();
+    match rest.walk_on_device(&walk) {
+        Some(Err(e)) => assert!(e.to_string().contains("start at the root"), "{e}"),
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// A head wider than the attention kernel holds (256) is refused at upload, not overflowed.
+#[test]
+fn a_head_dim_over_256_is_refused_at_upload() {
+    let cfg = ModelConfig {
+        d_model: 288,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 288,
+        ..ModelConfig::tiny(Arch::Llama)
+    };
+    let cpu = Llama::random(cfg, 13, None).unwrap();
+    let err = CudaLlama::upload_to(&cpu, emulated(), Precision::F32, 16 << 20)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("head_dim 288"), "{err}");
+}
+
+/// Forwards of 1 to 20 nodes replay graphs captured per power-of-two bucket (six of them, rows
+/// past a batch's are padding), and every one gives the bits of kernels launched one by one.
+#[test]
+fn graphs_are_kept_per_shape_bucket_and_padding_changes_nothing() {
+    let cpu = Llama::random(ModelConfig::tiny(Arch::Qwen2), 14, None).unwrap();
+    let gpu = CudaLlama::upload_to(&cpu, emulated(), Precision::F32, 16 << 20).unwrap();
+    let prompt = [3, 1, 4, 1, 5, 9, 2, 6];
+    // Twice over: the first pass grows the workspace (which drops the graphs over the old
+    // buffers), the second replays graphs captured over the final one.
+    for nodes in (1..=20u32).chain(1..=20) {
+        let mut tree = TokenTree::root(6);
+        for i in 1..nodes {
+            tree.push((i - 1) / 2, (7 * i) % 101);
+        }
+        gpu.set_graphs(true);
+        let mut cache = prefilled(&gpu, &prompt);
+        let replayed = logits_of(&gpu, &mut cache, &tree);
+        gpu.set_graphs(false);
+        let mut cache = prefilled(&gpu, &prompt);
+        let direct = logits_of(&gpu, &mut cache, &tree);
+        assert!(
+            replayed == direct,
+            "{nodes} nodes: a replayed graph differs"
+        );
+    }
+    // Buckets 1, 2, 4, 8, 16 and 32 rows (the prompt's 8-row prefill shares the 8 bucket).
+    assert_eq!(gpu.graphs_cached(), 6);
 }

@@ -98,6 +98,7 @@ async fn a_greedy_generation_through_the_service_on_the_emulated_gpu_equals_the_
         let params = SamplingParams::greedy(48);
         let reference = generate(&cpu_remote, &prompt, params.clone(), None).await;
         assert_eq!(reference.token_ids.len(), 48);
+        let waits_before = device.synchronizations();
         let plain = generate(&gpu_remote, &prompt, params.clone(), None).await;
         assert_eq!(
             plain.token_ids, reference.token_ids,
@@ -117,6 +118,16 @@ async fn a_greedy_generation_through_the_service_on_the_emulated_gpu_equals_the_
         println!(
             "prompt {case}: 48 tokens identical; speculative on the emulated GPU in {} rounds",
             spec.stats.rounds
+        );
+        // The verifier's cost fit times each batch: it must wait for the device first (a
+        // GPU's forward returns at launch), at least once per round.
+        let (waits, rounds) = (
+            device.synchronizations() - waits_before,
+            plain.stats.rounds + spec.stats.rounds,
+        );
+        assert!(
+            waits >= rounds,
+            "{waits} waits for the device over {rounds} rounds"
         );
     }
     cpu.shutdown().await;

@@ -28,8 +28,12 @@ struct State {
     capture: Mutex<Option<Vec<Recorded>>>,
     /// Launches run so far (replays included).
     launches: AtomicUsize,
-    /// Fault injection for tests: the launch with this number (counted from 1, over the
-    /// device's life) panics instead of running.
+    /// Calls of `synchronize` so far.
+    synchronizations: AtomicUsize,
+    /// Launches issued so far (recorded into a graph or run).
+    issued: AtomicUsize,
+    /// Fault injection for tests: the issued launch with this number (counted from 1, over the
+    /// device's life) panics instead of being issued.
     panic_at_launch: AtomicUsize,
 }
 
@@ -73,9 +77,19 @@ impl EmulatedDevice {
         self.0.launches.load(Ordering::Relaxed)
     }
 
-    /// Makes launch number `n` (counted from 1 over the device's life, 0: none) panic, as an
-    /// assertion inside the engine's launch code would: to test that a panic leaves the device
-    /// usable.
+    /// How often the engine waited for the device (`Device::synchronize`).
+    pub fn synchronizations(&self) -> usize {
+        self.0.synchronizations.load(Ordering::Relaxed)
+    }
+
+    /// Launches issued so far, recorded into a graph or run.
+    pub fn issued(&self) -> usize {
+        self.0.issued.load(Ordering::Relaxed)
+    }
+
+    /// Makes issued launch number `n` (counted from 1 over the device's life, 0: none) panic,
+    /// as an assertion inside the engine's launch code would: to test that a panic, during a
+    /// graph capture too, leaves the device usable.
     pub fn panic_at_launch(&self, n: usize) {
         self.0.panic_at_launch.store(n, Ordering::Relaxed);
     }
@@ -102,10 +116,7 @@ impl EmulatedDevice {
     /// # Safety
     /// As [`Device::launch`].
     unsafe fn run(&self, kernel: Kernel, shape: Launch, args: &[Arg]) -> Result<()> {
-        let n = self.0.launches.fetch_add(1, Ordering::Relaxed) + 1;
-        if n == self.0.panic_at_launch.load(Ordering::Relaxed) {
-            panic!("injected fault: launch {n} ({})", kernel.name());
-        }
+        self.0.launches.fetch_add(1, Ordering::Relaxed);
         let mut values: Vec<[u8; 8]> = Vec::with_capacity(args.len());
         let mut sizes = Vec::with_capacity(args.len());
         for a in args {
@@ -201,10 +212,17 @@ impl Device for EmulatedDevice {
     }
 
     fn synchronize(&self) -> Result<()> {
+        // Work runs when issued here; the count lets tests check that the engine waits where a
+        // real device needs it.
+        self.0.synchronizations.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     unsafe fn launch(&self, kernel: Kernel, shape: Launch, args: &[Arg]) -> Result<()> {
+        let n = self.0.issued.fetch_add(1, Ordering::Relaxed) + 1;
+        if n == self.0.panic_at_launch.load(Ordering::Relaxed) {
+            panic!("injected fault: launch {n} ({})", kernel.name());
+        }
         {
             let mut capture = self.0.capture.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(recorded) = capture.as_mut() {

@@ -82,7 +82,9 @@ struct ServeArgs {
     llm: Option<PathBuf>,
     /// Where the LLM runs: cpu, or cuda:N (GPU N; cuda = cuda:0) in a build with the `cuda`
     /// feature (`cargo build --release -p specinfer-verifier --features cuda`; needs the NVIDIA
-    /// driver and NVRTC at run time, not at build time).
+    /// driver and NVRTC at run time, not at build time). `emulated` (same build) runs the GPU
+    /// engine and its kernels on the emulated CUDA device, on this machine's CPU: slow, for
+    /// checking the GPU path where no GPU is.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     device: Device,
     /// With --device cuda: how the GPU keeps the projection weights and the K/V caches, bf16
@@ -197,6 +199,9 @@ enum Device {
     Cpu,
     #[cfg(feature = "cuda")]
     Cuda(usize),
+    /// The GPU engine on the emulated CUDA device: the same kernels, run on the host's CPU.
+    #[cfg(feature = "cuda")]
+    Emulated,
 }
 
 fn parse_rate(s: &str) -> Result<f64, String> {
@@ -212,12 +217,16 @@ fn parse_device(s: &str) -> Result<Device, String> {
     if s == "cpu" {
         return Ok(Device::Cpu);
     }
+    #[cfg(feature = "cuda")]
+    if s == "emulated" {
+        return Ok(Device::Emulated);
+    }
     let ordinal = s.strip_prefix("cuda").and_then(|rest| match rest {
         "" => Some(0),
         _ => rest.strip_prefix(':')?.parse::<usize>().ok(),
     });
     match ordinal {
-        None => Err("expected cpu, cuda or cuda:N".into()),
+        None => Err("expected cpu, cuda, cuda:N or emulated".into()),
         #[cfg(feature = "cuda")]
         Some(n) => Ok(Device::Cuda(n)),
         #[cfg(not(feature = "cuda"))]
@@ -395,17 +404,21 @@ fn serve(args: ServeArgs) -> Result<()> {
         let mut server = match args.device {
             Device::Cpu => service::start(Arc::new(model), &identity, args.listen, cfg)?,
             #[cfg(feature = "cuda")]
-            Device::Cuda(ordinal) => {
-                let gpu = specinfer_model::cuda::CudaLlama::upload(
-                    &model,
-                    ordinal,
-                    args.gpu_precision,
-                    args.kv_budget_mib << 20,
-                )
-                .with_context(|| format!("putting the model on cuda:{ordinal}"))?;
+            device @ (Device::Cuda(_) | Device::Emulated) => {
+                use specinfer_model::cuda::{CudaDevice, CudaLlama, EmulatedDevice};
+                let (gpu, name) = match device {
+                    Device::Cuda(ordinal) => (
+                        std::sync::Arc::new(CudaDevice::open(ordinal)?) as _,
+                        format!("cuda:{ordinal}"),
+                    ),
+                    _ => (EmulatedDevice::new().shared(), "the emulated device".into()),
+                };
+                let gpu =
+                    CudaLlama::upload_to(&model, gpu, args.gpu_precision, args.kv_budget_mib << 20)
+                        .with_context(|| format!("putting the model on {name}"))?;
                 drop(model);
                 tracing::info!(
-                    ordinal,
+                    device = %name,
                     weight_bytes = gpu.weight_bytes(),
                     precision = ?args.gpu_precision,
                     kernels = gpu.runtime(),
