@@ -331,7 +331,8 @@ const Kernel KERNELS[] = {
     KERNEL(rms_norm),         KERNEL(rope),         KERNEL(linear_f32),
     KERNEL(linear_bf16),      KERNEL(swiglu),       KERNEL(add_into),
     KERNEL(gather_rows),      KERNEL(store_kv_f32), KERNEL(store_kv_bf16),
-    KERNEL(tree_attention_f32), KERNEL(tree_attention_bf16), KERNEL(argmax_rows),
+    KERNEL(tree_attention_f32), KERNEL(tree_attention_bf16), KERNEL(attention_combine),
+    KERNEL(argmax_rows),
     KERNEL(softmax_top_p),    KERNEL(sample_walk),
 };
 

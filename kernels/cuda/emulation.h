@@ -71,6 +71,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
 // CUDA's rsqrtf is within 2 ulp; the host's is the correctly rounded 1 / sqrt.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 using std::max;

@@ -173,25 +173,40 @@ extern "C" __global__ void store_kv_bf16(unsigned short* k_pool, unsigned short*
                                row);
 }
 
-// Fused tree attention for every node of every sequence in a batch, one warp per (node, head),
-// online softmax, no mask materialised. Node n of the packed batch belongs to a sequence whose
-// slot table is at device address tables[n] (position p's K/V row is row table[p] of the layer's
-// k_pool / v_pool) and has committed[n] committed positions; it is node node_in_tree[n] of its
-// tree, whose nodes sit at positions committed + j.
-// It sees every committed position and the tree nodes set in its ancestor bitset (itself
-// included): anc[n * words + j / 64] bit j % 64. GQA: head h reads KV head h / (heads / kv_heads).
-// Node n's query heads start at q + n * q_stride (inside rows of q | k | v). head_dim <= 256.
-// K/V as f32 or bf16 (tree_attention_f32 / _bf16), computed with in f32.
+// Fused tree attention for every node of every sequence in a batch, online softmax, no mask
+// materialised, split over blocks of positions so that long contexts use many warps: one warp
+// per (node, head, split) writes the split's partial softmax (its max m, its sum l and its
+// weighted values), then attention_combine merges a (node, head)'s splits in order. Split s
+// covers the absolute positions [s * split_len, (s + 1) * split_len) of the keys a node sees,
+// so the grouping of a node's sums is the same whether its ancestors are committed or still in
+// the tree, and whatever it is batched with: greedy speculation stays token-identical to
+// incremental decoding. With one split, the result is the unsplit pass's bit for bit.
+//
+// Node n of the packed batch belongs to a sequence whose slot table is at device address
+// tables[n] (position p's K/V row is row table[p] of the layer's k_pool / v_pool) and has
+// committed[n] committed positions; it is node node_in_tree[n] of its tree, whose nodes sit at
+// slots committed + j. It sees every committed position and the tree nodes set in its ancestor
+// bitset (itself included): anc[n * words + j / 64] bit j % 64; the k-th of those is at absolute
+// position committed + k. GQA: head h reads KV head h / (heads / kv_heads). Node n's query
+// heads start at q + n * q_stride (inside rows of q | k | v). head_dim <= 256. K/V as f32 or
+// bf16 (tree_attention_f32 / _bf16), computed with in f32. Partials: ml[(pair * splits + s) * 2
+// + {0, 1}] and acc[(pair * splits + s) * head_dim + d], pair = n * heads + h.
 template <typename KV>
-__device__ void attend(float* out, const float* q, int q_stride, const unsigned short* k_pool,
-                       const unsigned short* v_pool, const u64* tables, const int* committed,
-                       const int* node_in_tree, const u64* anc, int words, int nodes, int heads,
-                       int kv_heads, int head_dim, float scale) {
+__device__ void attend_split(float* ml, float* part_acc, const float* q, int q_stride,
+                             const unsigned short* k_pool, const unsigned short* v_pool,
+                             const u64* tables, const int* committed, const int* node_in_tree,
+                             const u64* anc, int words, int nodes, int heads, int kv_heads,
+                             int head_dim, float scale, int splits, int split_len) {
     const int warps_per_block = blockDim.x / 32;
-    const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
+    const long long warp = (long long)blockIdx.x * warps_per_block + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    if (pair >= nodes * heads) return;
+    if (warp >= (long long)nodes * heads * splits) return;
+    const int pair = (int)(warp / splits), split = (int)(warp % splits);
     const int n = pair / heads, h = pair % heads;
+    const int c = committed[n], self = node_in_tree[n];
+    const u64* bits = anc + (size_t)n * words;
+    const int lo = split * split_len, hi = lo + split_len;
+    if (lo > c + self) return;  // past every key this node could see: no partial
     const int kvh = h / (heads / kv_heads);
     const int row = kv_heads * head_dim;
     const KV* K = (const KV*)k_pool;
@@ -206,12 +221,20 @@ __device__ void attend(float* out, const float* q, int q_stride, const unsigned 
         acc[j] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    const int c = committed[n], self = node_in_tree[n];
-    const u64* bits = anc + (size_t)n * words;
-    for (int p = 0; p <= c + self; p++) {
-        if (p >= c) {
+    // Committed keys in the split, then the tree's visible ones whose absolute position is.
+    int seen = 0;  // visible tree keys so far: the next one is at absolute position c + seen
+    for (int p = lo < c ? lo : c; p <= c + self; p++) {
+        if (p < c) {
+            if (p >= hi) {
+                p = c - 1;  // the rest of the committed keys lie past this split
+                continue;
+            }
+        } else {
             const int j = p - c;
             if (!((bits[j / 64] >> (j % 64)) & 1ull)) continue;
+            const int at = c + seen++;
+            if (at < lo) continue;
+            if (at >= hi) break;
         }
         const size_t at = (size_t)table[p] * row + kvh * head_dim;
         const KV* kp = K + at;
@@ -231,31 +254,69 @@ __device__ void attend(float* out, const float* q, int q_stride, const unsigned 
         }
         m = m2;
     }
-    float* o = out + ((size_t)n * heads + h) * head_dim;
+    const size_t slot = (size_t)pair * splits + split;
+    if (lane == 0) {
+        ml[slot * 2] = m;
+        ml[slot * 2 + 1] = l;
+    }
     for (int j = 0; j < per_lane; j++) {
         const int d = lane + 32 * j;
-        if (d < head_dim) o[d] = acc[j] / l;
+        if (d < head_dim) part_acc[slot * head_dim + d] = acc[j];
     }
 }
 
-extern "C" __global__ void tree_attention_f32(float* out, const float* q, int q_stride,
-                                              const unsigned short* k_pool,
+extern "C" __global__ void tree_attention_f32(float* ml, float* part_acc, const float* q,
+                                              int q_stride, const unsigned short* k_pool,
                                               const unsigned short* v_pool, const u64* tables,
                                               const int* committed, const int* node_in_tree,
                                               const u64* anc, int words, int nodes, int heads,
-                                              int kv_heads, int head_dim, float scale) {
-    attend<float>(out, q, q_stride, k_pool, v_pool, tables, committed, node_in_tree, anc, words,
-                  nodes, heads, kv_heads, head_dim, scale);
+                                              int kv_heads, int head_dim, float scale, int splits,
+                                              int split_len) {
+    attend_split<float>(ml, part_acc, q, q_stride, k_pool, v_pool, tables, committed,
+                        node_in_tree, anc, words, nodes, heads, kv_heads, head_dim, scale, splits,
+                        split_len);
 }
 
-extern "C" __global__ void tree_attention_bf16(float* out, const float* q, int q_stride,
-                                               const unsigned short* k_pool,
+extern "C" __global__ void tree_attention_bf16(float* ml, float* part_acc, const float* q,
+                                               int q_stride, const unsigned short* k_pool,
                                                const unsigned short* v_pool, const u64* tables,
                                                const int* committed, const int* node_in_tree,
                                                const u64* anc, int words, int nodes, int heads,
-                                               int kv_heads, int head_dim, float scale) {
-    attend<unsigned short>(out, q, q_stride, k_pool, v_pool, tables, committed, node_in_tree, anc,
-                           words, nodes, heads, kv_heads, head_dim, scale);
+                                               int kv_heads, int head_dim, float scale,
+                                               int splits, int split_len) {
+    attend_split<unsigned short>(ml, part_acc, q, q_stride, k_pool, v_pool, tables, committed,
+                                 node_in_tree, anc, words, nodes, heads, kv_heads, head_dim,
+                                 scale, splits, split_len);
+}
+
+// out[n, h, :] from the partials of (node n, head h)'s splits 0 .. S - 1, S the splits its keys
+// reach (committed + the popcount of its ancestor bits keys in all), merged in split order:
+// M = max m_s, L = sum l_s e^(m_s - M), out = sum acc_s e^(m_s - M) / L. One warp per (node,
+// head).
+extern "C" __global__ void attention_combine(float* out, const float* ml, const float* part_acc,
+                                             const int* committed, const u64* anc, int words,
+                                             int nodes, int heads, int head_dim, int splits,
+                                             int split_len) {
+    const int warps_per_block = blockDim.x / 32;
+    const int pair = blockIdx.x * warps_per_block + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (pair >= nodes * heads) return;
+    const int n = pair / heads;
+    int keys = committed[n];
+    for (int w = 0; w < words; w++) keys += __popcll(anc[(size_t)n * words + w]);
+    const int used = (keys - 1) / split_len + 1;
+    const size_t first = (size_t)pair * splits;
+    float mx = NEG_INF;
+    for (int s = 0; s < used; s++) mx = fmaxf(mx, ml[(first + s) * 2]);
+    float l = 0.0f;
+    for (int s = 0; s < used; s++) l += ml[(first + s) * 2 + 1] * expf(ml[(first + s) * 2] - mx);
+    float* o = out + (size_t)pair * head_dim;
+    for (int d = lane; d < head_dim; d += 32) {
+        float a = 0.0f;
+        for (int s = 0; s < used; s++)
+            a += part_acc[(first + s) * head_dim + d] * expf(ml[(first + s) * 2] - mx);
+        o[d] = a / l;
+    }
 }
 
 // Each row's most likely token, so that greedy verification copies one id per node instead of a

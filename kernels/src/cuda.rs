@@ -25,6 +25,7 @@ pub const KERNELS: &[&str] = &[
     "store_kv_bf16",
     "tree_attention_f32",
     "tree_attention_bf16",
+    "attention_combine",
     "argmax_rows",
     "softmax_top_p",
     "sample_walk",

@@ -262,3 +262,52 @@ fn graphs_are_kept_per_shape_bucket_and_padding_changes_nothing() {
     // Buckets 1, 2, 4, 8, 16 and 32 rows (the prompt's 8-row prefill shares the 8 bucket).
     assert_eq!(gpu.graphs_cached(), 6);
 }
+
+/// Attention is split over blocks of absolute positions (256 for this model): a path's logits
+/// in one tree forward (a sibling beside every node of it, so a node's slot is not its
+/// position) equal, bit for bit, those of decoding it one token at a time, across the boundary
+/// at position 256, and stay within the f32 tolerance of the CPU engine's.
+#[test]
+fn attention_splits_keep_trees_and_incremental_decoding_identical() {
+    use rand::{Rng, SeedableRng};
+    let cpu = Llama::random(ModelConfig::tiny(Arch::Llama), 15, None).unwrap();
+    let gpu = CudaLlama::upload_to(&cpu, emulated(), Precision::F32, 16 << 20).unwrap();
+    assert_eq!(specinfer_model::cuda::attention_split(512), (2, 256));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(15);
+    let ids: Vec<u32> = (0..262).map(|_| rng.random_range(0..101)).collect();
+    let mut cache = prefilled(&gpu, &ids[..250]);
+    // The path ids[250..] at nodes 0, 2, 4, ...; node 2k + 1 a sibling of node 2k + 2.
+    let mut tree = TokenTree::root(ids[250]);
+    let mut path = vec![0usize];
+    for &t in &ids[251..] {
+        let parent = *path.last().unwrap() as u32;
+        tree.push(parent, (t + 1) % 101);
+        path.push(tree.push(parent, t) as usize);
+    }
+    let at_once = logits_of(&gpu, &mut cache, &tree);
+    let mut cache = prefilled(&gpu, &ids[..250]);
+    for (i, &t) in ids[250..].iter().enumerate() {
+        let one = logits_of(&gpu, &mut cache, &TokenTree::root(t));
+        assert!(
+            one[0] == at_once[path[i]],
+            "position {}: tree and incremental differ",
+            250 + i
+        );
+        gpu.compact(&mut cache, &[0]).unwrap();
+    }
+    let mut kv = specinfer_model::KvCache::new(cpu.config());
+    cpu.prefill(&mut kv, &ids[..250]).unwrap();
+    let want = cpu
+        .forward(&mut [specinfer_model::SeqTree::new(&mut kv, &tree)])
+        .unwrap()
+        .remove(0);
+    let worst = (0..tree.len())
+        .flat_map(|n| {
+            at_once[n]
+                .iter()
+                .zip(want.node(n))
+                .map(|(a, b)| (a - b).abs())
+        })
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-3, "max |difference| from the CPU engine {worst}");
+}

@@ -25,13 +25,14 @@ pub enum Kernel {
     StoreKvBf16,
     TreeAttentionF32,
     TreeAttentionBf16,
+    AttentionCombine,
     ArgmaxRows,
     SoftmaxTopP,
     SampleWalk,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 14] = [
+    pub const ALL: [Kernel; 15] = [
         Kernel::RmsNorm,
         Kernel::Rope,
         Kernel::LinearF32,
@@ -43,6 +44,7 @@ impl Kernel {
         Kernel::StoreKvBf16,
         Kernel::TreeAttentionF32,
         Kernel::TreeAttentionBf16,
+        Kernel::AttentionCombine,
         Kernel::ArgmaxRows,
         Kernel::SoftmaxTopP,
         Kernel::SampleWalk,
@@ -62,6 +64,7 @@ impl Kernel {
             Kernel::StoreKvBf16 => "store_kv_bf16",
             Kernel::TreeAttentionF32 => "tree_attention_f32",
             Kernel::TreeAttentionBf16 => "tree_attention_bf16",
+            Kernel::AttentionCombine => "attention_combine",
             Kernel::ArgmaxRows => "argmax_rows",
             Kernel::SoftmaxTopP => "softmax_top_p",
             Kernel::SampleWalk => "sample_walk",

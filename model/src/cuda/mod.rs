@@ -122,6 +122,10 @@ pub struct CudaLlama {
     /// The K/V store and attention kernels for the K/V precision chosen.
     store_kv: Kernel,
     tree_attention: Kernel,
+    /// Attention's split over positions: at most `splits` blocks of `split_len` positions
+    /// ([`attention_split`]).
+    splits: usize,
+    split_len: usize,
     embed: DeviceBuf<f32>,
     layers: Vec<DeviceLayer>,
     final_norm: DeviceBuf<f32>,
@@ -192,6 +196,9 @@ struct Buffers {
     /// Rows of q | k | v.
     qkv: DeviceBuf<f32>,
     attn: DeviceBuf<f32>,
+    /// Attention's partials per (row, head, split): max and sum, and the weighted values.
+    attn_ml: DeviceBuf<f32>,
+    attn_acc: DeviceBuf<f32>,
     /// The final norm's rows of the sequences that want the head, gathered.
     selected: DeviceBuf<f32>,
     /// Rows of gate | up, and the SwiGLU of them.
@@ -232,6 +239,8 @@ impl Workspace {
                 h: alloc(cfg.d_model)?,
                 qkv: alloc(cfg.n_heads * cfg.head_dim + 2 * cfg.kv_row())?,
                 attn: alloc(cfg.n_heads * cfg.head_dim)?,
+                attn_ml: alloc(cfg.n_heads * model.splits * 2)?,
+                attn_acc: alloc(cfg.n_heads * model.splits * cfg.head_dim)?,
                 selected: alloc(cfg.d_model)?,
                 gate_up: alloc(2 * cfg.ffn_dim)?,
                 g: alloc(cfg.ffn_dim)?,
@@ -304,6 +313,15 @@ const LINEAR_ROWS: usize = 8;
 
 /// The largest head the attention kernel holds (`qv[8]` / `acc[8]` per lane of a warp).
 pub const MAX_HEAD_DIM: usize = 256;
+
+/// How attention splits a node's keys: blocks of `split_len` absolute positions (a multiple of
+/// 256, at least 256), at most 8 of them over the model's context, so that a long context's
+/// attention runs on up to 8 warps per (node, head) instead of one. Fixed per model, so a
+/// node's result does not depend on its batch.
+pub fn attention_split(max_positions: usize) -> (usize, usize) {
+    let split_len = 256 * max_positions.div_ceil(8 * 256).max(1);
+    (max_positions.div_ceil(split_len).max(1), split_len)
+}
 
 fn elementwise(n: usize) -> Launch {
     Launch {
@@ -461,6 +479,8 @@ impl CudaLlama {
                 Precision::Bf16 => Kernel::TreeAttentionBf16,
                 Precision::F32 => Kernel::TreeAttentionF32,
             },
+            splits: attention_split(cfg.max_positions).0,
+            split_len: attention_split(cfg.max_positions).1,
             dev,
         })
     }
@@ -745,8 +765,8 @@ impl CudaLlama {
                     Arg::I32(kv_row as i32),
                 ],
             )?;
-            // One warp per (node, head).
-            let warps = (rows * cfg.n_heads) as u32;
+            // One warp per (node, head, split), then one per (node, head) to merge the splits.
+            let warps = (rows * cfg.n_heads * self.splits) as u32;
             self.launch(
                 self.tree_attention,
                 Launch {
@@ -755,7 +775,8 @@ impl CudaLlama {
                     shared_bytes: 0,
                 },
                 &[
-                    ws.attn.arg(),
+                    ws.attn_ml.arg(),
+                    ws.attn_acc.arg(),
                     ws.qkv.arg(),
                     Arg::I32(qkv_row as i32),
                     k_pool,
@@ -770,6 +791,30 @@ impl CudaLlama {
                     Arg::I32(cfg.n_kv_heads as i32),
                     Arg::I32(hd as i32),
                     Arg::F32(scale),
+                    Arg::I32(self.splits as i32),
+                    Arg::I32(self.split_len as i32),
+                ],
+            )?;
+            let warps = (rows * cfg.n_heads) as u32;
+            self.launch(
+                Kernel::AttentionCombine,
+                Launch {
+                    grid: (warps.div_ceil(4), 1, 1),
+                    block: (128, 1, 1),
+                    shared_bytes: 0,
+                },
+                &[
+                    ws.attn.arg(),
+                    ws.attn_ml.arg(),
+                    ws.attn_acc.arg(),
+                    ws.committed.arg(),
+                    ws.anc.arg(),
+                    Arg::I32(words as i32),
+                    Arg::I32(rows as i32),
+                    Arg::I32(cfg.n_heads as i32),
+                    Arg::I32(hd as i32),
+                    Arg::I32(self.splits as i32),
+                    Arg::I32(self.split_len as i32),
                 ],
             )?;
             self.linear(&ws.attn, rows, &layer.o, &ws.h)?;
