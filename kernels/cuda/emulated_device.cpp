@@ -2,13 +2,14 @@
 // as C++ for the host, and a launcher that runs a grid the way the hardware's programming model
 // says it runs. Blocks run one after another on the calling thread; the threads of a block run
 // as fibers that switch only at `__syncthreads` and warp shuffles, so that barriers inside loops
-// and helpers work as written. A launch is checked as the driver checks it (block size, shared
+// and helpers work as written; a large grid's blocks are shared among a few host threads (as a
+// GPU runs blocks concurrently, in no set order). A launch is checked as the driver checks it (block size, shared
 // memory, grid, the kernel's arguments by count and size), and a barrier or a shuffle that some
 // threads of a block never reach is reported as the launch's error instead of hanging.
 //
-// What it cannot show: the driver, NVRTC, loading machine code, real concurrency between blocks
-// (blocks here never overlap) and timing. Within a block the fibers run in thread order between
-// synchronisation points, which is one legal schedule of many.
+// What it cannot show: the driver, NVRTC, loading machine code, the hardware's concurrency (warps
+// of a block here never overlap: the fibers run in thread order between synchronisation points,
+// one legal schedule of many) and timing.
 
 #include "emulation.h"
 
@@ -18,8 +19,13 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdio>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -336,6 +342,59 @@ const Kernel KERNELS[] = {
     KERNEL(softmax_top_p),    KERNEL(sample_walk),
 };
 
+// Host threads that help run a large grid's blocks, started once and kept (their fiber stacks
+// with them). One launch uses them at a time.
+class Helpers {
+  public:
+    static Helpers& get() {
+        // Leaked on purpose: its threads wait forever, and joining them at exit would hang.
+        static Helpers* helpers = new Helpers(
+            std::min(3u, std::max(1u, std::thread::hardware_concurrency()) - 1));
+        return *helpers;
+    }
+    size_t size() const { return count_; }
+    // Runs `job` on every helper and on the calling thread, returning when all have finished.
+    void run(const std::function<void()>& job) {
+        std::lock_guard<std::mutex> one_launch(launch_);
+        {
+            std::lock_guard<std::mutex> g(m_);
+            job_ = &job;
+            active_ = count_;
+            generation_++;
+        }
+        start_.notify_all();
+        job();
+        std::unique_lock<std::mutex> g(m_);
+        finished_.wait(g, [&] { return active_ == 0; });
+    }
+
+  private:
+    explicit Helpers(unsigned n) : count_(n) {
+        for (unsigned i = 0; i < n; i++) std::thread([this] { serve(); }).detach();
+    }
+    void serve() {
+        unsigned long long seen = 0;
+        for (;;) {
+            const std::function<void()>* job;
+            {
+                std::unique_lock<std::mutex> g(m_);
+                start_.wait(g, [&] { return generation_ != seen; });
+                seen = generation_;
+                job = job_;
+            }
+            (*job)();
+            std::lock_guard<std::mutex> g(m_);
+            if (--active_ == 0) finished_.notify_all();
+        }
+    }
+    const size_t count_;
+    std::mutex launch_, m_;
+    std::condition_variable start_, finished_;
+    const std::function<void()>* job_ = nullptr;
+    unsigned long long generation_ = 0;
+    size_t active_ = 0;
+};
+
 // The limits of the devices specinfer supports (compute capability 7.5 and newer) that a launch
 // must respect without opting in to more.
 constexpr unsigned MAX_BLOCK_THREADS = 1024, MAX_BLOCK_Z = 64, MAX_GRID_YZ = 65535;
@@ -390,23 +449,44 @@ extern "C" int specinfer_emulated_launch(const char* name, const unsigned grid[3
                           " bytes of dynamic shared memory (at most 48 KiB)");
     }
     if (emu::running) return failed(err, err_len, "a launch from inside a kernel");
-    if (!emu::stacks.fit(threads)) return failed(err, err_len, "no memory for fiber stacks");
-    emu::Block b;
-    b.run = k->run;
-    b.params = params;
-    b.threads = (unsigned)threads;
-    b.shared.resize(shared);
-    b.lanes.assign(((threads + 31) / 32) * 64, 0);
-    emu::block_dim = dim3{block[0], block[1], block[2]};
-    emu::grid_dim = dim3{grid[0], grid[1], grid[2]};
-    bool ok = true;
-    for (unsigned z = 0; z < grid[2] && ok; z++)
-        for (unsigned y = 0; y < grid[1] && ok; y++)
-            for (unsigned x = 0; x < grid[0] && ok; x++) {
-                emu::block_idx = dim3{x, y, z};
-                ok = emu::run_block(b);
+    const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    // Blocks handed out one at a time to the calling thread and, for a grid of 16 blocks or
+    // more, the helpers; the first failure stops the others at their next block.
+    std::atomic<unsigned long long> next{0};
+    std::atomic<bool> stop{false};
+    std::mutex first_error_lock;
+    std::string first_error;
+    const std::function<void()> work = [&]() {
+        if (!emu::stacks.fit(threads)) {
+            std::lock_guard<std::mutex> g(first_error_lock);
+            if (first_error.empty()) first_error = "no memory for fiber stacks";
+            stop = true;
+            return;
+        }
+        emu::Block b;
+        b.run = k->run;
+        b.params = params;
+        b.threads = (unsigned)threads;
+        b.shared.resize(shared);
+        b.lanes.assign(((threads + 31) / 32) * 64, 0);
+        emu::block_dim = dim3{block[0], block[1], block[2]};
+        emu::grid_dim = dim3{grid[0], grid[1], grid[2]};
+        for (unsigned long long i; !stop && (i = next++) < blocks;) {
+            emu::block_idx = dim3{(unsigned)(i % grid[0]), (unsigned)((i / grid[0]) % grid[1]),
+                                  (unsigned)(i / ((unsigned long long)grid[0] * grid[1]))};
+            if (!emu::run_block(b)) {
+                std::lock_guard<std::mutex> g(first_error_lock);
+                if (first_error.empty()) first_error = b.error;
+                stop = true;
             }
-    emu::running = nullptr;
-    if (!ok) return failed(err, err_len, std::string(name) + ": " + b.error);
+        }
+        emu::running = nullptr;
+    };
+    if (blocks >= 16 && Helpers::get().size() > 0) {
+        Helpers::get().run(work);
+    } else {
+        work();
+    }
+    if (!first_error.empty()) return failed(err, err_len, std::string(name) + ": " + first_error);
     return 0;
 }

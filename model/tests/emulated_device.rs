@@ -311,3 +311,54 @@ fn attention_splits_keep_trees_and_incremental_decoding_identical() {
         .fold(0f32, f32::max);
     assert!(worst < 1e-3, "max |difference| from the CPU engine {worst}");
 }
+
+/// The emulated device refuses launches a driver would (block and grid outside the limits, too
+/// much shared memory, arguments that do not match the kernel's signature), and a warp shuffle
+/// some lanes never reach (a block of 48 threads: its second warp has 16) is the launch's error,
+/// not a hang.
+#[test]
+fn the_emulated_device_checks_launches_and_reports_a_partial_warp() {
+    use specinfer_model::cuda::device::{Arg, DeviceBuf, Kernel, Launch};
+    let dev = emulated();
+    let (rows, out, inp) = (2usize, 4usize, 64usize);
+    let x = DeviceBuf::from_host(&dev, &vec![0.5f32; rows * inp]).unwrap();
+    let w = DeviceBuf::from_host(&dev, &vec![0.25f32; out * inp]).unwrap();
+    let y = DeviceBuf::<f32>::zeros(&dev, rows * out).unwrap();
+    let args = [
+        y.arg(),
+        x.arg(),
+        w.arg(),
+        Arg::Ptr(0),
+        Arg::I32(rows as i32),
+        Arg::I32(out as i32),
+        Arg::I32(inp as i32),
+    ];
+    let launch = |block: u32, grid: u32, shared: u32, args: &[Arg]| {
+        let shape = Launch {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_bytes: shared,
+        };
+        // SAFETY: the buffers hold what linear_f32 reads and writes for these sizes.
+        unsafe { dev.launch(Kernel::LinearF32, shape, args) }
+            .err()
+            .map(|e| e.to_string())
+    };
+    assert_eq!(launch(128, 1, 0, &args), None);
+    assert_eq!(y.to_host().unwrap(), vec![8.0; rows * out]);
+    let refused = [
+        (launch(2048, 1, 0, &args), "invalid block"),
+        (launch(128, 0, 0, &args), "invalid grid"),
+        (launch(128, 1, 64 << 10, &args), "dynamic shared memory"),
+        (launch(128, 1, 0, &args[..6]), "takes 7 arguments"),
+        (
+            launch(128, 1, 0, &[&[Arg::I32(0)], &args[1..]].concat()),
+            "argument 0 is 8 bytes",
+        ),
+        (launch(48, 1, 0, &args), "reached by 16 of its 32 lanes"),
+    ];
+    for (err, want) in refused {
+        let err = err.unwrap_or_else(|| panic!("a launch that should fail ({want}) ran"));
+        assert!(err.contains(want), "{err:?} does not say {want:?}");
+    }
+}

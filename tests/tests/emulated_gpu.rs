@@ -14,7 +14,7 @@ use specinfer_edge::{Client, Generation};
 use specinfer_integration::{NoisyDraft, API_KEY};
 use specinfer_model::cuda::{CudaLlama, CudaSeqTree, EmulatedDevice, Precision};
 use specinfer_model::{Arch, Llama, ModelConfig, SampleWalk};
-use specinfer_speculator::{DraftMode, Drafter, RoundDriver, Speculator};
+use specinfer_speculator::{DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
 use specinfer_verifier::engine::EngineConfig;
 use specinfer_verifier::service::{self, ServiceConfig};
 use specinfer_verifier::verify::{verify_stochastic, Verdict};
@@ -84,12 +84,10 @@ async fn generate(
 async fn a_greedy_generation_through_the_service_on_the_emulated_gpu_equals_the_cpu_engines() {
     let (cpu, cpu_remote) =
         service::start_loopback(Arc::new(tiny_model()), API_KEY.into(), service_config()).unwrap();
-    let (gpu, gpu_remote) = service::start_loopback(
-        Arc::new(on_emulated_gpu(tiny())),
-        API_KEY.into(),
-        service_config(),
-    )
-    .unwrap();
+    let device = EmulatedDevice::new();
+    let model = CudaLlama::upload_to(tiny(), device.shared(), Precision::F32, 64 << 20).unwrap();
+    let (gpu, gpu_remote) =
+        service::start_loopback(Arc::new(model), API_KEY.into(), service_config()).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
     for case in 0..2u64 {
         let prompt: Vec<u32> = (0..20 + 7 * case)
@@ -192,7 +190,7 @@ fn sampled_tree(rng: &mut impl Rng, root: u32, k: usize, mode: DrawMode, vocab: 
 
 /// The device's sampled verification (`sample_walk`) decides exactly as the host's
 /// `verify_stochastic` on the same logits and uniforms: i.i.d. and without-replacement draws,
-/// temperatures and top-p values, 100 trees each.
+/// temperatures and top-p values, 60 trees each.
 #[test]
 fn the_device_walk_decides_exactly_as_the_host_walk() {
     let model = tiny();
@@ -213,7 +211,7 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
     let (mut differ, mut walks) = (0, 0);
     for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
         for (temperature, top_p) in [(1.0f32, 1.0f32), (0.7, 0.9), (0.3, 0.5)] {
-            for _ in 0..100 {
+            for _ in 0..60 {
                 let tree = sampled_tree(&mut rng, prompt[11], 3, mode, vocab);
                 let logits = gpu
                     .forward(&mut [CudaSeqTree {
@@ -261,5 +259,95 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
     assert_eq!(
         differ, 0,
         "{differ} of {walks} walks decided otherwise on the device"
+    );
+}
+
+/// Sampled generation through the service on the emulated GPU: the first token of 400
+/// sessions, each a tree of three root children drawn without replacement by a noisy drafter
+/// and verified by the device's walk (recursive rejection sampling), follows the LLM's
+/// distribution (chi-square within df + 4 sqrt(2 df)).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_first_tokens_through_the_device_walk_follow_the_llms_distribution() {
+    const SESSIONS: usize = 400;
+    let (temperature, top_p) = (0.7f32, 0.95f32);
+    let device = EmulatedDevice::new();
+    let model = CudaLlama::upload_to(tiny(), device.shared(), Precision::F32, 64 << 20).unwrap();
+    let (server, remote) =
+        service::start_loopback(Arc::new(model), API_KEY.into(), service_config()).unwrap();
+    let prompt: Vec<u32> = vec![12, 40, 7, 99, 3, 64, 20, 5];
+    let mut kv = specinfer_model::KvCache::new(tiny().config());
+    tiny().prefill(&mut kv, &prompt[..7]).unwrap();
+    let root = tiny()
+        .forward(&mut [specinfer_model::SeqTree::new(
+            &mut kv,
+            &TokenTree::root(prompt[7]),
+        )])
+        .unwrap()
+        .remove(0);
+    let p = specinfer_kernels::sampling::distribution(root.node(0), temperature, 0, top_p);
+    let mut client = Client::connect(remote.clone()).await.unwrap();
+    let mut counts = vec![0usize; p.len()];
+    for seed in 0..SESSIONS as u64 {
+        let params = SamplingParams {
+            mode: specinfer_wire::VerifyMode::Stochastic,
+            temperature,
+            top_p,
+            top_k: 0,
+            seed,
+            max_new_tokens: 1,
+            stop_ids: Vec::new(),
+            return_features: false,
+        };
+        // The client's draws from a stream of their own (the request's seed salted, as every
+        // front end does): drawn with the verifier's uniforms, acceptance would be biased.
+        let drafter = Drafter {
+            speculator: Speculator::for_request(
+                TreeShape::Expansion(vec![3]),
+                DraftMode::Sample {
+                    temperature: 1.0,
+                    top_p: 1.0,
+                    top_k: 8,
+                    draw: DrawMode::WithoutReplacement,
+                },
+                seed,
+            ),
+            drafts: vec![Box::new(NoisyDraft::new(tiny(), seed, 1.5))],
+        };
+        let mut driver = RoundDriver::new(prompt.clone(), params, Some(drafter))
+            .unwrap()
+            .with_hand_off(false);
+        let g = client.generate(&mut driver, |_| {}).await.unwrap();
+        counts[g.token_ids[0] as usize] += 1;
+    }
+    client.shutdown().await;
+    server.shutdown().await;
+    let walks = device.launched(specinfer_model::cuda::device::Kernel::SampleWalk);
+    assert!(
+        walks >= SESSIONS,
+        "{walks} device walks for {SESSIONS} sampled rounds"
+    );
+    let n = SESSIONS as f64;
+    let (mut chi2, mut cells) = (0.0, 0usize);
+    let (mut rest_seen, mut rest_expected) = (0.0, 0.0);
+    for (t, &pt) in p.iter().enumerate() {
+        let expected = n * pt as f64;
+        if expected >= 5.0 {
+            chi2 += (counts[t] as f64 - expected).powi(2) / expected;
+            cells += 1;
+        } else {
+            rest_seen += counts[t] as f64;
+            rest_expected += expected;
+        }
+    }
+    if rest_expected >= 5.0 {
+        chi2 += (rest_seen - rest_expected).powi(2) / rest_expected;
+        cells += 1;
+    }
+    let df = cells.saturating_sub(1).max(1) as f64;
+    let bound = df + 4.0 * (2.0 * df).sqrt();
+    println!("{walks} device walks; chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})");
+    assert!(
+        chi2 <= bound,
+        "chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})"
     );
 }

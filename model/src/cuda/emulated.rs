@@ -6,7 +6,7 @@
 //! launches for replay, as a CUDA graph does. Everything runs in order when issued, so timings
 //! here mean nothing; results are the point.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +28,8 @@ struct State {
     capture: Mutex<Option<Vec<Recorded>>>,
     /// Launches run so far (replays included).
     launches: AtomicUsize,
+    /// Launches run so far, by kernel.
+    by_kernel: Mutex<HashMap<Kernel, usize>>,
     /// Calls of `synchronize` so far.
     synchronizations: AtomicUsize,
     /// Launches issued so far (recorded into a graph or run).
@@ -77,6 +79,12 @@ impl EmulatedDevice {
         self.0.launches.load(Ordering::Relaxed)
     }
 
+    /// Launches of `kernel` run so far.
+    pub fn launched(&self, kernel: Kernel) -> usize {
+        let counts = self.0.by_kernel.lock().unwrap_or_else(|e| e.into_inner());
+        counts.get(&kernel).copied().unwrap_or(0)
+    }
+
     /// How often the engine waited for the device (`Device::synchronize`).
     pub fn synchronizations(&self) -> usize {
         self.0.synchronizations.load(Ordering::Relaxed)
@@ -117,6 +125,13 @@ impl EmulatedDevice {
     /// As [`Device::launch`].
     unsafe fn run(&self, kernel: Kernel, shape: Launch, args: &[Arg]) -> Result<()> {
         self.0.launches.fetch_add(1, Ordering::Relaxed);
+        *self
+            .0
+            .by_kernel
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(kernel)
+            .or_default() += 1;
         let mut values: Vec<[u8; 8]> = Vec::with_capacity(args.len());
         let mut sizes = Vec::with_capacity(args.len());
         for a in args {
