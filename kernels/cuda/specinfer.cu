@@ -391,14 +391,14 @@ __device__ u64 block_sum_u64(u64 v) {
 // largest one's power of two, summed as integers: exact in any order).
 __device__ float exp_defined(float x) {
     if (!(x >= -87.0f)) return 0.0f;
-    const float k = rintf(__fmul_rn(x, 1.442695f));
-    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, 0.693145751953125f)),
-                              __fmul_rn(k, 1.428606765330187e-6f));
-    float p = 1.98412698e-4f;
-    p = __fadd_rn(__fmul_rn(p, r), 1.38888889e-3f);
-    p = __fadd_rn(__fmul_rn(p, r), 8.33333333e-3f);
-    p = __fadd_rn(__fmul_rn(p, r), 4.16666667e-2f);
-    p = __fadd_rn(__fmul_rn(p, r), 1.66666667e-1f);
+    const float k = rintf(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)));
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, __uint_as_float(0x3f317200u))),
+                              __fmul_rn(k, __uint_as_float(0x35bfbe8eu)));
+    float p = __uint_as_float(0x39500d01u);
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3ab60b61u));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3c088889u));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3d2aaaabu));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3e2aaaabu));
     p = __fadd_rn(__fmul_rn(p, r), 0.5f);
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);

@@ -21,20 +21,30 @@ pub fn argmax(x: &[f32]) -> usize {
 /// whose `expf` it linked. Within 2 ulp of `e^x`; 0 below -87 (where `e^x` is under 2^-125, no
 /// token's probability is worth keeping) and for NaN.
 pub fn exp_defined(x: f32) -> f32 {
-    if !(x >= -87.0) {
+    // The constants by their bits, as the CUDA kernels write them: log2(e); ln 2 in two parts,
+    // the first exact in few bits so that k * LN2_HI is exact (Cody-Waite); 1/7! .. 1/3!.
+    const LOG2_E: u32 = 0x3fb8_aa3b;
+    const LN2_HI: u32 = 0x3f31_7200;
+    const LN2_LO: u32 = 0x35bf_be8e;
+    const TAYLOR: [u32; 5] = [
+        0x3950_0d01,
+        0x3ab6_0b61,
+        0x3c08_8889,
+        0x3d2a_aaab,
+        0x3e2a_aaab,
+    ];
+    if x.is_nan() || x < -87.0 {
         return 0.0;
     }
-    let k = (x * 1.442_695_f32).round_ties_even();
-    // Cody-Waite: ln 2 in two parts, the first exact in few bits so that k * LN2_HI is exact.
-    let r = (x - k * 0.693_145_751_953_125_f32) - k * 1.428_606_765_330_187e-6_f32;
-    let mut p = 1.984_126_98e-4_f32;
-    p = p * r + 1.388_888_89e-3_f32;
-    p = p * r + 8.333_333_33e-3_f32;
-    p = p * r + 4.166_666_67e-2_f32;
-    p = p * r + 1.666_666_67e-1_f32;
-    p = p * r + 0.5_f32;
-    p = p * r + 1.0_f32;
-    p = p * r + 1.0_f32;
+    let k = (x * f32::from_bits(LOG2_E)).round_ties_even();
+    let r = (x - k * f32::from_bits(LN2_HI)) - k * f32::from_bits(LN2_LO);
+    let mut p = f32::from_bits(TAYLOR[0]);
+    for c in &TAYLOR[1..] {
+        p = p * r + f32::from_bits(*c);
+    }
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
     // 2^k, k in [-126, 0]: a normal power of two, so the scaling is exact but for subnormals.
     p * f32::from_bits(((k as i32 + 127) as u32) << 23)
 }

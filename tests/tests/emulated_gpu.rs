@@ -132,19 +132,25 @@ async fn a_greedy_generation_through_the_service_on_the_emulated_gpu_equals_the_
     gpu.shutdown().await;
 }
 
-/// A tree whose root has `k` children drawn from a proposal over `support` tokens (with or
-/// without replacement), one child of the first of them drawn likewise: two depths of
-/// rejections and residuals.
-fn sampled_tree(rng: &mut impl Rng, root: u32, k: usize, mode: DrawMode, vocab: u32) -> TokenTree {
-    let support: Vec<u32> = {
-        let mut s: Vec<u32> = (0..vocab).collect();
-        for i in 0..8 {
-            let j = rng.random_range(i..s.len());
-            s.swap(i, j);
+/// A tree whose root has `k` children drawn from a proposal over 8 tokens, the `favoured`
+/// ones (the LLM's likeliest, so that acceptances and residuals with mass left happen) and
+/// random others, with or without replacement, and one child of the first of them drawn
+/// likewise: two depths of rejections and residuals.
+fn sampled_tree(
+    rng: &mut impl Rng,
+    root: u32,
+    favoured: &[u32],
+    k: usize,
+    mode: DrawMode,
+    vocab: u32,
+) -> TokenTree {
+    let mut support: Vec<u32> = favoured.to_vec();
+    while support.len() < 8 {
+        let t = rng.random_range(0..vocab);
+        if !support.contains(&t) {
+            support.push(t);
         }
-        s.truncate(8);
-        s
-    };
+    }
     let raw: Vec<f32> = (0..8).map(|_| rng.random_range(0.05f32..1.0)).collect();
     let total: f32 = raw.iter().sum();
     let probs: Vec<f32> = raw.iter().map(|w| w / total).collect();
@@ -208,11 +214,25 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
     .unwrap();
     gpu.compact(&mut cache, &(0..11).collect::<Vec<u32>>())
         .unwrap();
-    let (mut differ, mut walks) = (0, 0);
+    // The LLM's four likeliest tokens after the prompt: every proposal holds them.
+    let root_logits = gpu
+        .forward(&mut [CudaSeqTree {
+            cache: &mut cache,
+            tree: &TokenTree::root(prompt[11]),
+            first: 0,
+        }])
+        .unwrap()
+        .remove(0)
+        .node(0)
+        .to_vec();
+    let mut favoured: Vec<u32> = (0..vocab).collect();
+    favoured.sort_by(|&a, &b| root_logits[b as usize].total_cmp(&root_logits[a as usize]));
+    favoured.truncate(4);
+    let (mut differ, mut walks, mut accepted_later) = (0, 0, 0);
     for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
         for (temperature, top_p) in [(1.0f32, 1.0f32), (0.7, 0.9), (0.3, 0.5)] {
             for _ in 0..60 {
-                let tree = sampled_tree(&mut rng, prompt[11], 3, mode, vocab);
+                let tree = sampled_tree(&mut rng, prompt[11], &favoured, 3, mode, vocab);
                 let logits = gpu
                     .forward(&mut [CudaSeqTree {
                         cache: &mut cache,
@@ -238,6 +258,9 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
                 };
                 let host = verify_stochastic(&tree, dist, &mut stream());
                 walks += 1;
+                // A child after the first accepted: its q' is the proposal less the earlier
+                // draws, renormalised, which the walks must agree on.
+                accepted_later += host.accepted.first().is_some_and(|&c| c > 1) as usize;
                 if (
                     &device.accepted,
                     device.next_token,
@@ -260,6 +283,11 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
         differ, 0,
         "{differ} of {walks} walks decided otherwise on the device"
     );
+    assert!(
+        accepted_later >= walks / 20,
+        "only {accepted_later} walks accepted a later child"
+    );
+    println!("{walks} walks identical, {accepted_later} accepted a child after the first");
 }
 
 /// Sampled generation through the service on the emulated GPU: the first token of 400
@@ -326,25 +354,7 @@ async fn sampled_first_tokens_through_the_device_walk_follow_the_llms_distributi
         walks >= SESSIONS,
         "{walks} device walks for {SESSIONS} sampled rounds"
     );
-    let n = SESSIONS as f64;
-    let (mut chi2, mut cells) = (0.0, 0usize);
-    let (mut rest_seen, mut rest_expected) = (0.0, 0.0);
-    for (t, &pt) in p.iter().enumerate() {
-        let expected = n * pt as f64;
-        if expected >= 5.0 {
-            chi2 += (counts[t] as f64 - expected).powi(2) / expected;
-            cells += 1;
-        } else {
-            rest_seen += counts[t] as f64;
-            rest_expected += expected;
-        }
-    }
-    if rest_expected >= 5.0 {
-        chi2 += (rest_seen - rest_expected).powi(2) / rest_expected;
-        cells += 1;
-    }
-    let df = cells.saturating_sub(1).max(1) as f64;
-    let bound = df + 4.0 * (2.0 * df).sqrt();
+    let (chi2, df, bound) = specinfer_model::cuda::checks::chi_square(&counts, &p);
     println!("{walks} device walks; chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})");
     assert!(
         chi2 <= bound,

@@ -481,29 +481,36 @@ pub fn walk_check(r: &mut Report, gpu: &CudaLlama, prompt: &[u32]) -> Result<(),
             _ => failures += 1,
         }
     }
-    let n = (TRIALS - failures) as f64;
-    let (mut chi2, mut df) = (0.0, 0usize);
-    let (mut rest_seen, mut rest_expected) = (0.0, 0.0);
-    for (t, &pt) in p.iter().enumerate() {
-        let expected = n * pt as f64;
-        if expected >= 5.0 {
-            chi2 += (counts[t] as f64 - expected).powi(2) / expected;
-            df += 1;
-        } else {
-            rest_seen += counts[t] as f64;
-            rest_expected += expected;
-        }
-    }
-    if rest_expected >= 5.0 {
-        chi2 += (rest_seen - rest_expected).powi(2) / rest_expected;
-        df += 1;
-    }
-    let df = df.saturating_sub(1).max(1) as f64;
-    let bound = df + 4.0 * (2.0 * df).sqrt();
+    let (chi2, df, bound) = chi_square(&counts, &p);
     r.check(
         "SmolLM2: the device's RRS walk emits first tokens distributed as the LLM's p",
         failures == 0 && chi2 <= bound,
         format!("{failures} walks failed; chi-square {chi2:.1} over {df} degrees of freedom (bound {bound:.1})"),
     );
     Ok(())
+}
+
+/// Pearson's statistic of `counts` (draws by token) against the distribution `p`, over the
+/// tokens expected 5 times or more (the rest pooled into one cell when it is expected 5 times),
+/// its degrees of freedom, and the bound a lossless sampler stays within: df + 4 sqrt(2 df).
+pub fn chi_square(counts: &[usize], p: &[f32]) -> (f64, f64, f64) {
+    let n = counts.iter().sum::<usize>() as f64;
+    let (mut chi2, mut cells) = (0.0, 0usize);
+    let (mut rest_seen, mut rest_expected) = (0.0, 0.0);
+    for (&seen, &pt) in counts.iter().zip(p) {
+        let expected = n * pt as f64;
+        if expected >= 5.0 {
+            chi2 += (seen as f64 - expected).powi(2) / expected;
+            cells += 1;
+        } else {
+            rest_seen += seen as f64;
+            rest_expected += expected;
+        }
+    }
+    if rest_expected >= 5.0 {
+        chi2 += (rest_seen - rest_expected).powi(2) / rest_expected;
+        cells += 1;
+    }
+    let df = cells.saturating_sub(1).max(1) as f64;
+    (chi2, df, df + 4.0 * (2.0 * df).sqrt())
 }
