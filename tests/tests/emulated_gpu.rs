@@ -196,7 +196,7 @@ fn sampled_tree(
 
 /// The device's sampled verification (`sample_walk`) decides exactly as the host's
 /// `verify_stochastic` on the same logits and uniforms: i.i.d. and without-replacement draws,
-/// temperatures and top-p values, 60 trees each.
+/// temperatures and top-p values, 40 trees each, eight walks of each.
 #[test]
 fn the_device_walk_decides_exactly_as_the_host_walk() {
     let model = tiny();
@@ -231,7 +231,7 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
     let (mut differ, mut walks, mut accepted_later) = (0, 0, 0);
     for mode in [DrawMode::Iid, DrawMode::WithoutReplacement] {
         for (temperature, top_p) in [(1.0f32, 1.0f32), (0.7, 0.9), (0.3, 0.5)] {
-            for _ in 0..60 {
+            for _ in 0..40 {
                 let tree = sampled_tree(&mut rng, prompt[11], &favoured, 3, mode, vocab);
                 let logits = gpu
                     .forward(&mut [CudaSeqTree {
@@ -241,39 +241,48 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
                     }])
                     .unwrap()
                     .remove(0);
-                let seed: u64 = rng.random();
-                let stream = || {
-                    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-                    r.set_stream(9);
-                    r
-                };
-                let mut uniforms_rng = stream();
-                let uniforms = (0..tree.len())
-                    .map(|_| uniforms_rng.random::<f64>())
-                    .collect();
-                let walk = SampleWalk::new(&tree, temperature, top_p, uniforms).unwrap();
-                let device = Verdict::from_walk(logits.walk_on_device(&walk).unwrap().unwrap());
-                let dist = |n: usize| {
-                    specinfer_kernels::sampling::distribution(logits.node(n), temperature, 0, top_p)
-                };
-                let host = verify_stochastic(&tree, dist, &mut stream());
-                walks += 1;
-                // A child after the first accepted: its q' is the proposal less the earlier
-                // draws, renormalised, which the walks must agree on.
-                accepted_later += host.accepted.first().is_some_and(|&c| c > 1) as usize;
-                if (
-                    &device.accepted,
-                    device.next_token,
-                    &device.rejected_at_depth,
-                ) != (&host.accepted, host.next_token, &host.rejected_at_depth)
-                {
-                    differ += 1;
-                    if differ <= 3 {
-                        eprintln!(
-                            "{mode:?} T {temperature} top-p {top_p}: device {:?} / {} / {:?}, host {:?} / {} / {:?}",
-                            device.accepted, device.next_token, device.rejected_at_depth,
-                            host.accepted, host.next_token, host.rejected_at_depth
-                        );
+                // Eight walks of each tree, each with its own uniforms: decisions are many
+                // per forward.
+                for _ in 0..8 {
+                    let seed: u64 = rng.random();
+                    let stream = || {
+                        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+                        r.set_stream(9);
+                        r
+                    };
+                    let mut uniforms_rng = stream();
+                    let uniforms = (0..tree.len())
+                        .map(|_| uniforms_rng.random::<f64>())
+                        .collect();
+                    let walk = SampleWalk::new(&tree, temperature, top_p, uniforms).unwrap();
+                    let device = Verdict::from_walk(logits.walk_on_device(&walk).unwrap().unwrap());
+                    let dist = |n: usize| {
+                        specinfer_kernels::sampling::distribution(
+                            logits.node(n),
+                            temperature,
+                            0,
+                            top_p,
+                        )
+                    };
+                    let host = verify_stochastic(&tree, dist, &mut stream());
+                    walks += 1;
+                    // A child after the first accepted: its q' is the proposal less the earlier
+                    // draws, renormalised, which the walks must agree on.
+                    accepted_later += host.accepted.first().is_some_and(|&c| c > 1) as usize;
+                    if (
+                        &device.accepted,
+                        device.next_token,
+                        &device.rejected_at_depth,
+                    ) != (&host.accepted, host.next_token, &host.rejected_at_depth)
+                    {
+                        differ += 1;
+                        if differ <= 3 {
+                            eprintln!(
+                                "{mode:?} T {temperature} top-p {top_p}: device {:?} / {} / {:?}, host {:?} / {} / {:?}",
+                                device.accepted, device.next_token, device.rejected_at_depth,
+                                host.accepted, host.next_token, host.rejected_at_depth
+                            );
+                        }
                     }
                 }
             }
