@@ -261,6 +261,26 @@ fn graphs_are_kept_per_shape_bucket_and_padding_changes_nothing() {
     }
     // Buckets 1, 2, 4, 8, 16 and 32 rows (the prompt's 8-row prefill shares the 8 bucket).
     assert_eq!(gpu.graphs_cached(), 6);
+    // At most two kept: the least recently used bucket makes room, and a shape whose graph was
+    // dropped is captured again, with the same bits.
+    gpu.set_graph_limit(2);
+    let mut reference = None;
+    for nodes in [3u32, 1, 20, 3] {
+        let tree = TokenTree::chain(&(0..nodes).map(|i| (5 * i + 2) % 101).collect::<Vec<_>>());
+        let mut cache = prefilled(&gpu, &prompt);
+        let logits = logits_of(&gpu, &mut cache, &tree);
+        assert!(
+            gpu.graphs_cached() <= 2,
+            "{} graphs kept",
+            gpu.graphs_cached()
+        );
+        if nodes == 3 {
+            match &reference {
+                None => reference = Some(logits),
+                Some(first) => assert!(*first == logits, "a recaptured graph differs"),
+            }
+        }
+    }
 }
 
 /// Attention is split over blocks of absolute positions (256 for this model): a path's logits

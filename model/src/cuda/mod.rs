@@ -17,7 +17,7 @@
 //! checks for it first and returns a clear error on machines without an NVIDIA driver.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use specinfer_kernels::projection;
@@ -138,6 +138,8 @@ pub struct CudaLlama {
     kv: KvPool,
     /// Whether forwards capture and replay CUDA graphs ([`CudaLlama::set_graphs`]).
     graphs: AtomicBool,
+    /// Captured shape buckets kept at once ([`MAX_GRAPHS`] unless set).
+    graph_limit: AtomicUsize,
 }
 
 /// Every sequence's K/V: per layer, `[slots, kv_row]` elements of the engine's [`Precision`]
@@ -215,6 +217,19 @@ struct Buffers {
 }
 
 impl Workspace {
+    /// Drops the least recently replayed graphs until at most `n` are left.
+    fn keep_graphs(&mut self, n: usize) {
+        while self.graphs.len() > n {
+            let oldest = self
+                .graphs
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| *k)
+                .expect("not empty");
+            self.graphs.remove(&oldest);
+        }
+    }
+
     /// Buffers for `rows` rows of `words` ancestor words, reallocated (to the next power of
     /// two) only when they are too small; the captured graphs go with the old ones.
     fn fit(&mut self, model: &CudaLlama, rows: usize, words: usize) -> Result<()> {
@@ -470,6 +485,7 @@ impl CudaLlama {
             },
             workspace: Default::default(),
             graphs: AtomicBool::new(true),
+            graph_limit: AtomicUsize::new(MAX_GRAPHS),
             layers,
             store_kv: match precision {
                 Precision::Bf16 => Kernel::StoreKvBf16,
@@ -845,9 +861,8 @@ impl CudaLlama {
     /// [`CudaLlama::forward_wanting`]). A capture that fails turns graphs off for the engine,
     /// with a warning; the kernels then launch one by one.
     fn run_layers(&self, ws: &mut Workspace, rows: usize, words: usize) -> Result<()> {
-        let bufs = ws.bufs.as_ref().expect("fit allocates");
         if !self.graphs.load(Ordering::Relaxed) {
-            return self.launch_layers(bufs, rows, words);
+            return self.launch_layers(ws.bufs.as_ref().expect("fit allocates"), rows, words);
         }
         let bucket = graph_bucket(rows, words);
         ws.forwards += 1;
@@ -855,15 +870,8 @@ impl CudaLlama {
             *used = ws.forwards;
             return graph.replay();
         }
-        if ws.graphs.len() >= MAX_GRAPHS {
-            let oldest = ws
-                .graphs
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(k, _)| *k)
-                .expect("the cache is full");
-            ws.graphs.remove(&oldest);
-        }
+        ws.keep_graphs(self.graph_limit.load(Ordering::Relaxed) - 1);
+        let bufs = ws.bufs.as_ref().expect("fit allocates");
         self.dev.begin_capture()?;
         let capture = Capturing {
             dev: &*self.dev,
@@ -896,7 +904,17 @@ impl CudaLlama {
         self.graphs.store(on, Ordering::Relaxed);
     }
 
-    /// Graphs captured and kept now (at most [`MAX_GRAPHS`]).
+    /// How many captured shape buckets to keep (default [`MAX_GRAPHS`], at least 1): each holds
+    /// device memory for its launches; a new bucket beyond replaces the least recently used.
+    pub fn set_graph_limit(&self, buckets: usize) {
+        self.graph_limit.store(buckets.max(1), Ordering::Relaxed);
+        self.workspace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keep_graphs(buckets.max(1));
+    }
+
+    /// Graphs captured and kept now (at most the limit, [`MAX_GRAPHS`] by default).
     pub fn graphs_cached(&self) -> usize {
         self.workspace
             .lock()
