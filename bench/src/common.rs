@@ -160,6 +160,8 @@ pub fn params(ctx: &Ctx, mode: VerifyMode, seed: u64) -> SamplingParams {
         max_new_tokens: ctx.max_new,
         stop_ids: ctx.tok.eos().to_vec(),
         return_features: false,
+        repeat_penalty: 1.0,
+        repeat_last_n: 0,
     }
 }
 

@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use specinfer_kernels::sampling::distribution;
+use specinfer_kernels::sampling::{argmax, distribution, penalise_repeats};
 use specinfer_model::{Llama, ModelError, SampleWalk, TreeModel, Want};
 use specinfer_wire::{
     FeatureRows, FinishReason, Limits, RoundStats, SamplingParams, TokenTree, TreeError, Verified,
@@ -428,9 +428,27 @@ impl<M: TreeModel> Session<M> {
         // draws exactly what the first verifier would have, never reusing a uniform.
         let mut rng = ChaCha8Rng::seed_from_u64(p.seed);
         rng.set_stream(self.tokens.len() as u64);
-        let dist =
-            |n: usize| distribution(logits.node(n), p.temperature, p.top_k as usize, p.top_p);
+        // Node n's row, with the repetition penalty over its context's latest tokens (the
+        // committed ones, then its path in the tree) where the session asked for one.
+        let row = |n: usize| -> std::borrow::Cow<'_, [f32]> {
+            if !p.penalises_repeats() {
+                return std::borrow::Cow::Borrowed(logits.node(n));
+            }
+            let path = tree.path_to(n);
+            let last_n = p.repeat_last_n as usize;
+            let committed = &self.tokens[self.tokens.len().saturating_sub(last_n)..];
+            let mut recent: Vec<u32> = committed.to_vec();
+            recent.extend(path[1..].iter().map(|&i| tree.token(i as usize)));
+            let recent = &recent[recent.len().saturating_sub(last_n)..];
+            let mut l = logits.node(n).to_vec();
+            penalise_repeats(&mut l, recent, p.repeat_penalty);
+            std::borrow::Cow::Owned(l)
+        };
+        let dist = |n: usize| distribution(&row(n), p.temperature, p.top_k as usize, p.top_p);
         match p.mode {
+            VerifyMode::Greedy if p.penalises_repeats() => {
+                verify_greedy(tree, |n| argmax(&row(n)) as u32)
+            }
             VerifyMode::Greedy => verify_greedy(tree, |n| logits.argmax(n)),
             VerifyMode::Stochastic => match self.walk_on_device(tree, logits, &rng) {
                 Some(verdict) => verdict,
@@ -442,8 +460,8 @@ impl<M: TreeModel> Session<M> {
 
     /// The stochastic verdict from the device that holds the logits (the GPU engine), with the
     /// uniforms `rng` would give the host's walk, in its order; `None` where the rows are on the
-    /// host, the device cannot walk them, or top-k applies (the device's distribution is
-    /// temperature and top-p only): the host then walks.
+    /// host, the device cannot walk them, or top-k or a repetition penalty applies (the device's
+    /// distribution is temperature and top-p only): the host then walks.
     fn walk_on_device(
         &self,
         tree: &TokenTree,
@@ -451,7 +469,7 @@ impl<M: TreeModel> Session<M> {
         rng: &ChaCha8Rng,
     ) -> Option<Verdict> {
         let p = &self.params;
-        if p.top_k > 0 || !logits.is_on_device() {
+        if p.top_k > 0 || p.penalises_repeats() || !logits.is_on_device() {
             return None;
         }
         let mut rng = rng.clone();
@@ -534,7 +552,12 @@ pub fn run_batch<M: TreeModel>(
             .filter(|(_, &r)| r)
             .map(|((s, w), _)| match w {
                 Work::Prefill { .. } => Want::KvOnly,
-                Work::Verify(_) if s.params.mode == VerifyMode::Greedy => Want::Argmax,
+                // A penalised greedy round takes its argmax over penalised rows, on the host.
+                Work::Verify(_)
+                    if s.params.mode == VerifyMode::Greedy && !s.params.penalises_repeats() =>
+                {
+                    Want::Argmax
+                }
                 Work::Verify(_) => Want::Logits,
             })
             .collect();

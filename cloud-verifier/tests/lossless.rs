@@ -461,14 +461,6 @@ mod end_to_end {
         Llama::random(cfg, seed, None).unwrap()
     }
 
-    /// The LLM's next-token distribution after `seq`.
-    fn next(llm: &Llama, seq: &[u32]) -> Vec<f32> {
-        let mut kv = KvCache::new(llm.config());
-        let tree = TokenTree::chain(seq);
-        let out = llm.forward(&mut [SeqTree::new(&mut kv, &tree)]).unwrap();
-        distribution(out[0].node(seq.len() - 1), TEMPERATURE, 0, 1.0)
-    }
-
     fn through_the_wire(msg: Message) -> Message {
         let frame = encode_frame(&msg);
         decode_frame(&frame[FRAME_HEADER_BYTES..], &Limits::default()).unwrap()
@@ -526,6 +518,24 @@ mod end_to_end {
         node_cap: u32,
         hand_off: Option<HandOffRule>,
     ) -> Vec<u64> {
+        sample_pairs_penalised(
+            llm, draft, shape, draw, trials, tamper, node_cap, hand_off, 1.0,
+        )
+    }
+
+    /// [`sample_pairs`] with the verifier's repetition penalty (over the whole context).
+    #[allow(clippy::too_many_arguments)]
+    fn sample_pairs_penalised<'d>(
+        llm: &Llama,
+        draft: &dyn Fn() -> Box<dyn DraftModel + Send + 'd>,
+        shape: &TreeShape,
+        draw: DrawMode,
+        trials: usize,
+        tamper: bool,
+        node_cap: u32,
+        hand_off: Option<HandOffRule>,
+        repeat_penalty: f32,
+    ) -> Vec<u64> {
         let limits = Limits::default();
         let mut counts = vec![0u64; VOCAB * VOCAB];
         for trial in 0..trials as u64 {
@@ -533,6 +543,8 @@ mod end_to_end {
                 mode: VerifyMode::Stochastic,
                 temperature: TEMPERATURE,
                 seed: trial,
+                repeat_penalty,
+                repeat_last_n: 64,
                 ..SamplingParams::greedy(2)
             };
             let drafter = Drafter {
@@ -633,14 +645,50 @@ mod end_to_end {
     }
 
     fn joint(llm: &Llama) -> Vec<f64> {
-        let p1 = next(llm, &PROMPT);
+        joint_penalised(llm, 1.0)
+    }
+
+    /// The joint of the next two tokens with every token of their context's logits penalised
+    /// as llama.cpp does.
+    fn joint_penalised(llm: &Llama, penalty: f32) -> Vec<f64> {
+        let next = |seq: &[u32]| {
+            let mut kv = KvCache::new(llm.config());
+            let tree = TokenTree::chain(seq);
+            let out = llm.forward(&mut [SeqTree::new(&mut kv, &tree)]).unwrap();
+            let mut row = out[0].node(seq.len() - 1).to_vec();
+            specinfer_kernels::sampling::penalise_repeats(&mut row, seq, penalty);
+            distribution(&row, TEMPERATURE, 0, 1.0)
+        };
+        let p1 = next(&PROMPT);
         let mut joint = Vec::with_capacity(VOCAB * VOCAB);
         for (x1, &a) in p1.iter().enumerate() {
             let mut seq = PROMPT.to_vec();
             seq.push(x1 as u32);
-            joint.extend(next(llm, &seq).iter().map(|&b| a as f64 * b as f64));
+            joint.extend(next(&seq).iter().map(|&b| a as f64 * b as f64));
         }
         joint
+    }
+
+    /// The verifier's repetition penalty (strong here, 1.5, over the whole context): sampled
+    /// trees through the client, the wire and the verifier give the penalised LLM's joint, and
+    /// not the plain LLM's (the test's power).
+    #[test]
+    fn a_repetition_penalty_gives_the_penalised_llms_joint() {
+        let (llm, ssm) = (tiny(1), tiny(2));
+        let ssm = || Box::new(CachedDraft::new(&ssm)) as Box<dyn DraftModel + Send>;
+        let shape = TreeShape::Dynamic { budget: 8 };
+        for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
+            let counts =
+                sample_pairs_penalised(&llm, &ssm, &shape, draw, 12_000, false, 0, None, 1.5);
+            let pv = chi_square_p(&counts, &joint_penalised(&llm, 1.5));
+            println!("penalised {draw:?}: p-value {pv:.4}");
+            assert!(pv > 1e-3, "penalised {draw:?}: joint is off, p-value {pv}");
+            let plain = chi_square_p(&counts, &joint(&llm));
+            assert!(
+                plain < 1e-3,
+                "the penalty changed nothing (p-value {plain})"
+            );
+        }
     }
 
     #[test]

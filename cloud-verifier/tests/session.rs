@@ -138,3 +138,48 @@ fn verdicts_carry_the_llms_features_of_the_committed_positions() {
         .features
         .is_none());
 }
+
+/// Greedy decoding with a repetition penalty: each node's argmax is taken over its row
+/// penalised by its own context (committed tokens, then its path in the tree), so trees give
+/// exactly what one token per round gives, and the penalty changes the answer.
+#[test]
+fn a_penalised_greedy_tree_equals_penalised_incremental_decoding() {
+    let model = Llama::random(ModelConfig::tiny(Arch::Llama), 3, None).unwrap();
+    let limits = Limits::default();
+    let params = |penalty| SamplingParams {
+        repeat_penalty: penalty,
+        repeat_last_n: 16,
+        ..SamplingParams::greedy(40)
+    };
+    let prompt = [5, 6, 7, 5, 6];
+    let run = |penalty: f32, tree_of: &dyn Fn(&Session) -> TokenTree| {
+        let mut s = Session::open(&model, &prompt, params(penalty), &limits).unwrap();
+        let mut rounds = 0;
+        while s.finish().is_none() {
+            let tree = tree_of(&s);
+            s.verify(&model, &limits, &tree).unwrap();
+            rounds += 1;
+        }
+        (s.generated().to_vec(), rounds)
+    };
+    let (incremental, _) = run(1.3, &|s| TokenTree::root(s.root()));
+    // Trees whose every level holds the incremental answer's next token beside a wrong one.
+    let answer = incremental.clone();
+    let (speculative, rounds) = run(1.3, &|s| {
+        let done = s.generated().len();
+        let mut tree = TokenTree::root(s.root());
+        let mut parent = 0;
+        for &t in answer.iter().skip(done).take(4) {
+            tree.push(parent, (t + 1) % 101);
+            parent = tree.push(parent, t);
+        }
+        tree
+    });
+    assert_eq!(speculative, incremental);
+    assert!(
+        rounds < 40,
+        "{rounds} rounds: the trees were never accepted"
+    );
+    let (plain, _) = run(1.0, &|s| TokenTree::root(s.root()));
+    assert_ne!(plain, incremental, "the penalty changed nothing");
+}

@@ -13,7 +13,7 @@ pub use client::{Client, ClientError, EmulatedRoundTrip, Generation};
 pub use embedded::EmbeddedVerifier;
 pub use setup::{
     catalogue_model, CatalogueModel, ClientOptions, ClientSetup, Decoding, DraftBackend,
-    DraftSource, LlmChoice, SetupError, SetupEvent, VerifierChoice, CATALOGUE,
+    DraftSource, LlmChoice, SetupError, SetupEvent, VerifierChoice, CATALOGUE, REPEAT_LAST_N,
 };
 
 /// Logs of the edge's front ends (the CLI, the desktop app) on stderr: warnings and errors

@@ -37,6 +37,10 @@ pub struct CatalogueModel {
     pub drafter: DefaultDrafter,
     /// One line for `--help` and the desktop app's settings.
     pub about: &'static str,
+    /// The repetition penalty it is sampled with unless told otherwise (1: none): SmolLM2-135M
+    /// sampled without one falls into loops now and then; a code model must be free to repeat
+    /// brackets and names.
+    pub repeat_penalty: f32,
 }
 
 /// Where a catalogue LLM's default drafter comes from.
@@ -56,6 +60,7 @@ pub const CATALOGUE: &[CatalogueModel] = &[
         llm: &fetch::SMOLLM2_135M,
         drafter: DefaultDrafter::Shipped(DEFAULT_SSM),
         about: "SmolLM2-135M-Instruct (98 MB), drafted by the shipped 13 MB SSM",
+        repeat_penalty: 1.1,
     },
     CatalogueModel {
         name: "qwen2.5-coder-1.5b",
@@ -64,6 +69,7 @@ pub const CATALOGUE: &[CatalogueModel] = &[
         drafter: DefaultDrafter::Fetched(&fetch::QWEN25_CODER_05B),
         about:
             "Qwen2.5-Coder-1.5B-Instruct (1.1 GB), drafted by Qwen2.5-Coder-0.5B-Instruct (0.5 GB)",
+        repeat_penalty: 1.0,
     },
 ];
 
@@ -208,7 +214,16 @@ pub struct ClientOptions {
     /// Hand the rest of an answer to the verifier's own decoding once split rounds cost more
     /// per token than its plain steps ([`specinfer_speculator::HandOff`]).
     pub hand_off: bool,
+    /// The verifier's repetition penalty over the latest `repeat_last_n` tokens (1: none; see
+    /// [`SamplingParams::repeat_penalty`]). `None`: none for greedy decoding (the LLM's own
+    /// argmax), the catalogue model's [`CatalogueModel::repeat_penalty`] when sampling.
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: u32,
 }
+
+/// How many of the latest tokens a repetition penalty looks at unless told otherwise
+/// (llama.cpp's default).
+pub const REPEAT_LAST_N: u32 = 64;
 
 impl Default for ClientOptions {
     fn default() -> Self {
@@ -223,6 +238,8 @@ impl Default for ClientOptions {
             pipeline: false,
             lookup: ContextLookup::default().max_tokens,
             hand_off: true,
+            repeat_penalty: None,
+            repeat_last_n: REPEAT_LAST_N,
         }
     }
 }
@@ -470,7 +487,16 @@ impl ClientSetup {
 
 /// The request defaults and the draft's mode for `opts.decoding`.
 fn decoding(opts: &ClientOptions) -> (SamplingParams, DraftMode) {
-    let greedy = SamplingParams::greedy(opts.max_tokens);
+    let sampled_default = opts.llm.catalogue().map_or(1.0, |m| m.repeat_penalty);
+    let repeat_penalty = match opts.decoding {
+        Decoding::Greedy => opts.repeat_penalty.unwrap_or(1.0),
+        Decoding::Sample { .. } => opts.repeat_penalty.unwrap_or(sampled_default),
+    };
+    let greedy = SamplingParams {
+        repeat_penalty,
+        repeat_last_n: opts.repeat_last_n,
+        ..SamplingParams::greedy(opts.max_tokens)
+    };
     match opts.decoding {
         Decoding::Greedy => (greedy, DraftMode::Greedy),
         Decoding::Sample {

@@ -15,6 +15,25 @@ pub fn argmax(x: &[f32]) -> usize {
     best
 }
 
+/// llama.cpp's repetition penalty on `logits`, in place: every distinct token of `recent` has
+/// its logit divided by `penalty` where positive, multiplied where not (so that, for a penalty
+/// above 1, it always becomes less likely). Tokens outside the logits are ignored.
+pub fn penalise_repeats(logits: &mut [f32], recent: &[u32], penalty: f32) {
+    if penalty == 1.0 {
+        return;
+    }
+    let mut done: Vec<u32> = Vec::with_capacity(recent.len());
+    for &t in recent {
+        if done.contains(&t) {
+            continue;
+        }
+        done.push(t);
+        if let Some(x) = logits.get_mut(t as usize) {
+            *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
+        }
+    }
+}
+
 /// `e^x` for `x <= 0`, computed in a defined sequence of IEEE single-precision operations (no
 /// fused multiply-add, no library call), so that every device that verifies (the CUDA kernels'
 /// `exp_defined`, op for op) gets these bits: a verifier's sampled decisions must not depend on
@@ -388,6 +407,17 @@ mod tests {
             assert_eq!(p[7], 0.0);
         }
         assert!(!normalise(&mut [0.0, -1.0, f32::NAN]));
+    }
+
+    /// Each repeated token is penalised once, positive logits divided, negative multiplied.
+    #[test]
+    fn repeats_are_penalised_once_each() {
+        let mut l = [2.0f32, -1.0, 0.5, 3.0];
+        penalise_repeats(&mut l, &[0, 1, 0, 0, 9], 2.0);
+        assert_eq!(l, [1.0, -2.0, 0.5, 3.0]);
+        let mut same = [2.0f32, -1.0];
+        penalise_repeats(&mut same, &[0, 1], 1.0);
+        assert_eq!(same, [2.0, -1.0]);
     }
 
     #[test]

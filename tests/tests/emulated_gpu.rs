@@ -334,6 +334,8 @@ async fn sampled_first_tokens_through_the_device_walk_follow_the_llms_distributi
             max_new_tokens: 1,
             stop_ids: Vec::new(),
             return_features: false,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
         };
         // The client's draws from a stream of their own (the request's seed salted, as every
         // front end does): drawn with the verifier's uniforms, acceptance would be biased.

@@ -263,6 +263,8 @@ async fn seeded_sampling_over_quic_is_reproducible() {
         max_new_tokens: 32,
         stop_ids: Vec::new(),
         return_features: false,
+        repeat_penalty: 1.0,
+        repeat_last_n: 0,
     };
     let mode = DraftMode::Sample {
         temperature: 0.9,
@@ -300,6 +302,8 @@ async fn the_context_lookup_keeps_greedy_output_and_is_accepted_when_sampling() 
         max_new_tokens: 48,
         stop_ids: Vec::new(),
         return_features: false,
+        repeat_penalty: 1.0,
+        repeat_last_n: 0,
     };
     let sample_draft = DraftMode::Sample {
         temperature: 0.5,
@@ -370,6 +374,8 @@ async fn sixteen_concurrent_sessions_each_equal_their_solo_run() {
                 max_new_tokens: 12,
                 stop_ids: Vec::new(),
                 return_features: false,
+                repeat_penalty: 1.0,
+                repeat_last_n: 0,
             }
         }
     };

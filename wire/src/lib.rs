@@ -20,7 +20,7 @@ pub use tree::{AncestorBits, DrawMode, Proposals, SparseDist, TokenTree, TreeErr
 /// Version of the frame format and message set. A peer only accepts frames carrying exactly its own
 /// version, so a v1 peer rejects a v2 frame with [`DecodeError::UnsupportedVersion`] instead of
 /// misreading it.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// The largest top-K a sparse proposal distribution may carry.
 pub const MAX_PROPOSAL_K: usize = 64;

@@ -107,6 +107,13 @@ pub struct SamplingParams {
     /// Ask the verifier for the LLM's features of the tokens it runs ([`Verified::features`]),
     /// for a feature-conditioned drafter; refused by a verifier whose engine cannot give them.
     pub return_features: bool,
+    /// Repetition penalty (1: none), as llama.cpp's: before verification, the logit of every
+    /// token among the last `repeat_last_n` of the node's context (committed tokens, then its
+    /// tree path) is divided by it where positive and multiplied where negative. Output is then
+    /// distributed exactly as the penalised LLM (greedy: its argmax).
+    pub repeat_penalty: f32,
+    /// How many of the latest context tokens the penalty looks at (0: none).
+    pub repeat_last_n: u32,
 }
 
 impl SamplingParams {
@@ -120,7 +127,14 @@ impl SamplingParams {
             max_new_tokens,
             stop_ids: Vec::new(),
             return_features: false,
+            repeat_penalty: 1.0,
+            repeat_last_n: 0,
         }
+    }
+
+    /// Whether the repetition penalty changes anything.
+    pub fn penalises_repeats(&self) -> bool {
+        self.repeat_penalty != 1.0 && self.repeat_last_n > 0
     }
 }
 
@@ -413,6 +427,10 @@ impl Message {
     }
 }
 
+/// The most context tokens a repetition penalty may look at (each costs the verifier a lookup
+/// per tree node).
+pub const MAX_REPEAT_LAST_N: u32 = 4096;
+
 impl SamplingParams {
     fn validate(&self, limits: &Limits) -> Result<(), InvalidMessage> {
         let bad = |s: String| Err(InvalidMessage::BadParam(s));
@@ -427,6 +445,21 @@ impl SamplingParams {
         }
         if self.mode != VerifyMode::Greedy && self.temperature == 0.0 {
             return bad("temperature 0 needs greedy mode".into());
+        }
+        if !(self.repeat_penalty.is_finite()
+            && self.repeat_penalty > 0.0
+            && self.repeat_penalty <= 10.0)
+        {
+            return bad(format!(
+                "repeat_penalty {} must be in (0, 10]",
+                self.repeat_penalty
+            ));
+        }
+        if self.repeat_last_n > MAX_REPEAT_LAST_N {
+            return bad(format!(
+                "repeat_last_n {} must be at most {MAX_REPEAT_LAST_N}",
+                self.repeat_last_n
+            ));
         }
         if self.max_new_tokens == 0 || self.max_new_tokens > limits.max_new_tokens {
             return bad(format!(

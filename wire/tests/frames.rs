@@ -70,23 +70,25 @@ fn tree_strategy() -> impl Strategy<Value = TokenTree> {
 
 fn params_strategy() -> impl Strategy<Value = SamplingParams> {
     (
-        0.05f32..3.0,
-        0.1f32..=1.0,
-        0u32..100,
-        any::<u64>(),
+        (0.05f32..3.0, 0.1f32..=1.0, 0u32..100, any::<u64>()),
         1u32..4000,
         prop::collection::vec(0u32..50_000, 0..8),
+        (0.5f32..=10.0, 0u32..=MAX_REPEAT_LAST_N),
     )
         .prop_map(
-            |(temperature, top_p, top_k, seed, max_new_tokens, stop_ids)| SamplingParams {
-                mode: VerifyMode::Stochastic,
-                temperature,
-                top_p,
-                top_k,
-                seed,
-                max_new_tokens,
-                stop_ids,
-                return_features: false,
+            |((temperature, top_p, top_k, seed), max_new_tokens, stop_ids, (penalty, last_n))| {
+                SamplingParams {
+                    mode: VerifyMode::Stochastic,
+                    temperature,
+                    top_p,
+                    top_k,
+                    seed,
+                    max_new_tokens,
+                    stop_ids,
+                    return_features: false,
+                    repeat_penalty: penalty,
+                    repeat_last_n: last_n,
+                }
             },
         )
 }
@@ -226,6 +228,42 @@ fn a_lookup_chain_longer_than_a_tree_may_be_is_refused() {
         decode_frame(&over[FRAME_HEADER_BYTES..], &limits()),
         Err(DecodeError::Invalid(InvalidMessage::TooLong { .. }))
     ));
+}
+
+/// A repetition penalty outside (0, 10], or a window past MAX_REPEAT_LAST_N tokens, is a bad
+/// parameter, refused when the frame is decoded.
+#[test]
+fn a_repetition_penalty_out_of_range_is_refused() {
+    let open = |repeat_penalty, repeat_last_n| {
+        encode_frame(&Message::OpenSession(OpenSession {
+            session: 1,
+            prompt: vec![1, 2, 3],
+            params: SamplingParams {
+                repeat_penalty,
+                repeat_last_n,
+                ..SamplingParams::greedy(8)
+            },
+        }))
+    };
+    let decoded = |frame: Vec<u8>| decode_frame(&frame[FRAME_HEADER_BYTES..], &limits());
+    assert!(decoded(open(1.1, 64)).is_ok());
+    assert!(decoded(open(10.0, MAX_REPEAT_LAST_N)).is_ok());
+    for (penalty, last_n) in [
+        (0.0, 64),
+        (-1.0, 64),
+        (10.5, 64),
+        (f32::NAN, 64),
+        (f32::INFINITY, 64),
+        (1.1, MAX_REPEAT_LAST_N + 1),
+    ] {
+        assert!(
+            matches!(
+                decoded(open(penalty, last_n)),
+                Err(DecodeError::Invalid(InvalidMessage::BadParam(_)))
+            ),
+            "penalty {penalty}, last {last_n} accepted"
+        );
+    }
 }
 
 proptest! {

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use specinfer_edge::{
     catalogue_model, ClientOptions, ClientSetup, Decoding, DraftBackend, Generation, LlmChoice,
-    VerifierChoice,
+    VerifierChoice, REPEAT_LAST_N,
 };
 use specinfer_model::{fetch, ChatMessage, Tokenizer};
 use specinfer_net::Trust;
@@ -148,6 +148,17 @@ struct CommonArgs {
     /// Sample only among the k most likely tokens (sample mode); 0 disables.
     #[arg(long, default_value_t = 0)]
     top_k: u32,
+    /// Repetition penalty, as llama.cpp's: the verifier divides the logits of tokens among the
+    /// latest --repeat-last-n by it (multiplies negative ones), so the output is distributed as
+    /// the penalised LLM; 1 disables. Default when sampling with `generate` and `chat`: the
+    /// catalogue model's (1.1 for smollm2-135m, which sampled without one falls into loops now
+    /// and then; 1 for the Qwen coder, whose code repeats brackets and names); 1 for --greedy
+    /// (the LLM's own argmax) and serve-openai.
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// How many of the latest tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = REPEAT_LAST_N)]
+    repeat_last_n: u32,
     /// Seed of the verifier's sampling RNG (sample mode): same seed, same output with a fixed
     /// --tree (an adaptive tree's shape follows measured timings; with a seed the hand-off and
     /// the lookup's cut, which do too, are off). Without it every answer gets a fresh seed.
@@ -286,7 +297,8 @@ fn llm_choice(a: &CommonArgs) -> Result<LlmChoice> {
 #[derive(Clone, Copy)]
 enum DefaultDecoding {
     /// `generate` and `chat`: sampled at temperature 0.8 and top-p 0.95, llama.cpp's CLI
-    /// defaults: a small model decoded greedily soon repeats itself.
+    /// defaults, with the catalogue model's repetition penalty: a small model decoded greedily
+    /// soon repeats itself, and sampled now and then.
     Chat,
     /// `serve-openai`: OpenAI's defaults for what a request leaves out (temperature 1, top-p 1).
     OpenAi,
@@ -310,6 +322,19 @@ fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
     };
     if matches!(decoding, Decoding::Sample { temperature, .. } if temperature <= 0.0) {
         bail!("--temperature must be positive when sampling (--greedy decodes greedily)");
+    }
+    let repeat_penalty = match default {
+        DefaultDecoding::Chat => a.repeat_penalty,
+        DefaultDecoding::OpenAi => Some(a.repeat_penalty.unwrap_or(1.0)),
+    };
+    if repeat_penalty.is_some_and(|p| !(p.is_finite() && p > 0.0 && p <= 10.0)) {
+        bail!("--repeat-penalty must be in (0, 10]");
+    }
+    if a.repeat_last_n > specinfer_wire::MAX_REPEAT_LAST_N {
+        bail!(
+            "--repeat-last-n must be at most {}",
+            specinfer_wire::MAX_REPEAT_LAST_N
+        );
     }
     let verifier = match &a.server {
         Some(server) => VerifierChoice::Remote {
@@ -338,6 +363,8 @@ fn options(a: &CommonArgs, default: DefaultDecoding) -> Result<ClientOptions> {
         pipeline: a.pipeline,
         lookup: a.lookup,
         hand_off: !a.no_hand_off,
+        repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
     })
 }
 
