@@ -506,26 +506,10 @@ mod end_to_end {
 
     /// Counts of (first, second) generated token over `trials` generations, every verdict
     /// carrying `node_cap` (0: none), as a busy verifier's do. Where `hand_off` says so, the
-    /// rest is decoded by the verifier on its own, as its engine does after `Generate`.
+    /// rest is decoded by the verifier on its own, as its engine does after `Generate`. The
+    /// verifier applies `repeat_penalty` over the whole context (1: none).
     #[allow(clippy::too_many_arguments)]
     fn sample_pairs<'d>(
-        llm: &Llama,
-        draft: &dyn Fn() -> Box<dyn DraftModel + Send + 'd>,
-        shape: &TreeShape,
-        draw: DrawMode,
-        trials: usize,
-        tamper: bool,
-        node_cap: u32,
-        hand_off: Option<HandOffRule>,
-    ) -> Vec<u64> {
-        sample_pairs_penalised(
-            llm, draft, shape, draw, trials, tamper, node_cap, hand_off, 1.0,
-        )
-    }
-
-    /// [`sample_pairs`] with the verifier's repetition penalty (over the whole context).
-    #[allow(clippy::too_many_arguments)]
-    fn sample_pairs_penalised<'d>(
         llm: &Llama,
         draft: &dyn Fn() -> Box<dyn DraftModel + Send + 'd>,
         shape: &TreeShape,
@@ -678,8 +662,7 @@ mod end_to_end {
         let ssm = || Box::new(CachedDraft::new(&ssm)) as Box<dyn DraftModel + Send>;
         let shape = TreeShape::Dynamic { budget: 8 };
         for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
-            let counts =
-                sample_pairs_penalised(&llm, &ssm, &shape, draw, 12_000, false, 0, None, 1.5);
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, None, 1.5);
             let pv = chi_square_p(&counts, &joint_penalised(&llm, 1.5));
             println!("penalised {draw:?}: p-value {pv:.4}");
             assert!(pv > 1e-3, "penalised {draw:?}: joint is off, p-value {pv}");
@@ -702,7 +685,7 @@ mod end_to_end {
             TreeShape::Expansion(vec![2, 2]),
         ] {
             for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
-                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, None);
+                let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, None, 1.0);
                 let pv = chi_square_p(&counts, &joint);
                 println!("{shape} {draw:?}: p-value {pv:.4}");
                 assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
@@ -711,7 +694,7 @@ mod end_to_end {
         // A busy verifier's node cap cuts the trees after the first round to their first nodes.
         for draw in [DrawMode::Iid, DrawMode::WithoutReplacement] {
             let shape = TreeShape::Dynamic { budget: 8 };
-            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 3, None);
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 3, None, 1.0);
             let pv = chi_square_p(&counts, &joint);
             println!("{shape} {draw:?} capped at 3 nodes: p-value {pv:.4}");
             assert!(
@@ -729,6 +712,7 @@ mod end_to_end {
             true,
             0,
             None,
+            1.0,
         );
         let pv = chi_square_p(&counts, &joint);
         assert!(
@@ -754,7 +738,7 @@ mod end_to_end {
         ] {
             let shape = TreeShape::Dynamic { budget: 8 };
             let draw = DrawMode::WithoutReplacement;
-            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, Some(rule));
+            let counts = sample_pairs(&llm, &ssm, &shape, draw, 12_000, false, 0, Some(rule), 1.0);
             let pv = chi_square_p(&counts, &joint);
             println!("handed off {name}: p-value {pv:.4}");
             assert!(pv > 1e-3, "handed off {name}: joint is off, p-value {pv}");
@@ -778,7 +762,7 @@ mod end_to_end {
             ),
             (TreeShape::Expansion(vec![2, 2]), DrawMode::Iid),
         ] {
-            let counts = sample_pairs(&llm, &draft, &shape, draw, 12_000, false, 0, None);
+            let counts = sample_pairs(&llm, &draft, &shape, draw, 12_000, false, 0, None, 1.0);
             let pv = chi_square_p(&counts, &joint);
             println!("feature draft, {shape} {draw:?}: p-value {pv:.4}");
             assert!(pv > 1e-3, "{shape} {draw:?}: joint is off, p-value {pv}");
@@ -792,6 +776,7 @@ mod end_to_end {
             true,
             0,
             None,
+            1.0,
         );
         let pv = chi_square_p(&counts, &joint);
         assert!(pv < 1e-3, "misdeclared proposals passed (p-value {pv})");
