@@ -391,7 +391,9 @@ __device__ u64 block_sum_u64(u64 v) {
 // largest one's power of two, summed as integers: exact in any order).
 __device__ float exp_defined(float x) {
     if (!(x >= -87.0f)) return 0.0f;
-    const float k = rintf(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)));
+    // Round to nearest even by adding and subtracting 1.5 * 2^23, as the host does.
+    const float k = __fsub_rn(__fadd_rn(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)), 12582912.0f),
+                              12582912.0f);
     const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(k, __uint_as_float(0x3f317200u))),
                               __fmul_rn(k, __uint_as_float(0x35bfbe8eu)));
     float p = __uint_as_float(0x39500d01u);
@@ -413,7 +415,8 @@ __device__ double mass_scale(float max) {
 }
 
 __device__ u64 mass_units(float x, double scale) {
-    return (x > 0.0f && x != __int_as_float(0x7f800000)) ? (u64)((double)x * scale) : 0ull;
+    return (x > 0.0f && x != __int_as_float(0x7f800000)) ? (u64)(long long)((double)x * scale)
+                                                         : 0ull;
 }
 
 __device__ bool finite_positive(float x) { return x > 0.0f && x != __int_as_float(0x7f800000); }
@@ -433,8 +436,8 @@ __device__ bool normalise_row(float* p, int vocab, float* part) {
     if (scale == 0.0) return false;
     u64 units = 0;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) units += mass_units(p[i], scale);
-    const double total = (double)block_sum_u64(units) / scale;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = (float)((double)p[i] / total);
+    const double inv = 1.0 / ((double)block_sum_u64(units) / scale);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) p[i] = (float)((double)p[i] * inv);
     __syncthreads();
     return true;
 }

@@ -52,11 +52,12 @@ pub fn exp_defined(x: f32) -> f32 {
         0x3d2a_aaab,
         0x3e2a_aaab,
     ];
-    if x.is_nan() || x < -87.0 {
-        return 0.0;
-    }
-    let k = (x * f32::from_bits(LOG2_E)).round_ties_even();
-    let r = (x - k * f32::from_bits(LN2_HI)) - k * f32::from_bits(LN2_LO);
+    // Computed for every x (clamped), then selected: a loop over a vocabulary vectorises.
+    let xc = x.max(-87.0);
+    // Round to nearest even by adding and subtracting 1.5 * 2^23 (|x log2 e| < 2^22).
+    const ROUND: f32 = 12_582_912.0;
+    let k = (xc * f32::from_bits(LOG2_E) + ROUND) - ROUND;
+    let r = (xc - k * f32::from_bits(LN2_HI)) - k * f32::from_bits(LN2_LO);
     let mut p = f32::from_bits(TAYLOR[0]);
     for c in &TAYLOR[1..] {
         p = p * r + f32::from_bits(*c);
@@ -65,7 +66,13 @@ pub fn exp_defined(x: f32) -> f32 {
     p = p * r + 1.0;
     p = p * r + 1.0;
     // 2^k, k in [-126, 0]: a normal power of two, so the scaling is exact but for subnormals.
-    p * f32::from_bits(((k as i32 + 127) as u32) << 23)
+    let e = p * f32::from_bits(((k as i32 + 127) as u32) << 23);
+    // Below -87 (e^x under 2^-125) and NaN: 0.
+    if x >= -87.0 {
+        e
+    } else {
+        0.0
+    }
 }
 
 /// Exact, order-independent sums of non-negative f32 values: each value as a whole number of
@@ -82,11 +89,10 @@ pub struct FixedMass {
 impl FixedMass {
     /// The scale for `values`; `None` when none is positive (and finite).
     pub fn of(values: &[f32]) -> Option<FixedMass> {
+        // NaN and infinities count as 0 (a select, so that the loop vectorises).
         let max = values
             .iter()
-            .copied()
-            .filter(|x| *x > 0.0 && x.is_finite())
-            .fold(0f32, f32::max);
+            .fold(0f32, |m, &x| m.max(if x.is_finite() { x } else { 0.0 }));
         (max > 0.0).then(|| {
             let e = ((max.to_bits() >> 23) & 0xff) as i32 - 127;
             FixedMass {
@@ -98,8 +104,11 @@ impl FixedMass {
     /// `x`'s units (0 for anything not positive and finite). Below 2^41 for every value of the
     /// set the scale came from, so sums of up to 2^23 of them fit in a u64.
     pub fn units(&self, x: f32) -> u64 {
-        if x > 0.0 && x.is_finite() {
-            (x as f64 * self.scale) as u64
+        // Through i64 (exact below 2^41, and faster than u64); NaN gives 0, negatives clamp
+        // to 0; +inf is selected away.
+        let v = ((x as f64 * self.scale) as i64).max(0) as u64;
+        if x < f32::INFINITY {
+            v
         } else {
             0
         }
@@ -179,14 +188,15 @@ pub fn distribution(logits: &[f32], temperature: f32, top_k: usize, top_p: f32) 
     p
 }
 
-/// Scales `p` (non-negative, at most 1 each) to sum to 1, by its [`FixedMass`] total. Returns
+/// Scales `p` (non-negative, at most 1 each) to sum to 1: each value times the reciprocal of its
+/// [`FixedMass`] total, in f64, rounded to f32. Returns
 /// false (and leaves `p` unchanged) when it has no mass.
 pub fn normalise(p: &mut [f32]) -> bool {
     let Some(mass) = FixedMass::of(p) else {
         return false;
     };
-    let total = mass.value(mass.total(p));
-    p.iter_mut().for_each(|x| *x = (*x as f64 / total) as f32);
+    let inv = 1.0 / mass.value(mass.total(p));
+    p.iter_mut().for_each(|x| *x = (*x as f64 * inv) as f32);
     true
 }
 
