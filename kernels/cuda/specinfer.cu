@@ -414,12 +414,11 @@ __device__ double mass_scale(float max) {
     return ldexp(1.0, 40 - e);
 }
 
-__device__ u64 mass_units(float x, double scale) {
-    return (x > 0.0f && x != __int_as_float(0x7f800000)) ? (u64)(long long)((double)x * scale)
-                                                         : 0ull;
-}
-
 __device__ bool finite_positive(float x) { return x > 0.0f && x != __int_as_float(0x7f800000); }
+
+__device__ u64 mass_units(float x, double scale) {
+    return finite_positive(x) ? (u64)(long long)((double)x * scale) : 0ull;
+}
 
 // The rank key of token i with probability v: larger probability first, then smaller index.
 __device__ u64 rank_key(float v, int i) {

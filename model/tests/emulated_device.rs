@@ -8,10 +8,12 @@
 
 use std::sync::Arc;
 
-use specinfer_model::cuda::checks::{exact_checks, Report};
+use specinfer_model::cuda::checks::{
+    exact_checks, on_cpu, on_gpu, prefill_gpu, worst_difference, Report,
+};
 use specinfer_model::cuda::device::Device;
 use specinfer_model::cuda::{CudaKvCache, CudaLlama, CudaSeqTree, EmulatedDevice, Precision};
-use specinfer_model::{Arch, Llama, ModelConfig, SampleWalk};
+use specinfer_model::{Arch, Llama, Logits, ModelConfig, SampleWalk};
 use specinfer_wire::TokenTree;
 
 fn emulated() -> Arc<dyn Device> {
@@ -109,28 +111,24 @@ fn the_device_distribution_equals_the_hosts_bit_for_bit() {
 
 fn prefilled(gpu: &CudaLlama, prompt: &[u32]) -> CudaKvCache {
     let mut cache = gpu.new_cache().unwrap();
-    let chain = TokenTree::chain(prompt);
-    gpu.forward(&mut [CudaSeqTree {
-        cache: &mut cache,
-        tree: &chain,
-        first: 0,
-    }])
-    .unwrap();
-    gpu.compact(&mut cache, &(0..prompt.len() as u32).collect::<Vec<_>>())
-        .unwrap();
+    prefill_gpu(gpu, &mut cache, prompt);
     cache
 }
 
-fn logits_of(gpu: &CudaLlama, cache: &mut CudaKvCache, tree: &TokenTree) -> Vec<Vec<f32>> {
-    let out = gpu
-        .forward(&mut [CudaSeqTree {
-            cache,
-            tree,
-            first: 0,
-        }])
-        .unwrap()
-        .remove(0);
-    (0..tree.len()).map(|n| out.node(n).to_vec()).collect()
+fn logits_of(gpu: &CudaLlama, cache: &mut CudaKvCache, tree: &TokenTree) -> Logits {
+    on_gpu(gpu, cache, tree, 0).unwrap()
+}
+
+/// The CPU engine's logits of `tree` after `prompt`.
+fn on_the_cpu(cpu: &Llama, prompt: &[u32], tree: &TokenTree) -> Logits {
+    let mut kv = specinfer_model::KvCache::new(cpu.config());
+    cpu.prefill(&mut kv, prompt).unwrap();
+    on_cpu(cpu, &mut kv, tree).unwrap()
+}
+
+/// Whether nodes `0..n` of `a` and `b` are the same bits.
+fn same(a: &Logits, b: &Logits, n: usize) -> bool {
+    (0..n).all(|i| a.node(i) == b.node(i))
 }
 
 /// A panic in the middle of a forward's graph capture (an assertion in the launch code) must
@@ -155,20 +153,9 @@ fn a_panic_during_a_graph_capture_leaves_the_engine_usable() {
     assert!(failed.is_err(), "the injected fault did not fire");
     let mut cache = prefilled(&gpu, &[1, 2, 3, 4]);
     let got = logits_of(&gpu, &mut cache, &tree);
-    let mut kv = specinfer_model::KvCache::new(cpu.config());
-    cpu.prefill(&mut kv, &[1, 2, 3, 4]).unwrap();
-    let want = cpu
-        .forward(&mut [specinfer_model::SeqTree::new(&mut kv, &tree)])
-        .unwrap()
-        .remove(0);
-    for (n, got) in got.iter().enumerate() {
-        let worst = got
-            .iter()
-            .zip(want.node(n))
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(worst < 1e-3, "node {n}: {worst}");
-    }
+    let want = on_the_cpu(&cpu, &[1, 2, 3, 4], &tree);
+    let worst = worst_difference(&got, &want, 0..tree.len());
+    assert!(worst < 1e-3, "max |difference| from the CPU engine {worst}");
 }
 
 /// The device walk reads row i for node i: logits of a forward that started past the root
@@ -255,7 +242,7 @@ fn graphs_are_kept_per_shape_bucket_and_padding_changes_nothing() {
         let mut cache = prefilled(&gpu, &prompt);
         let direct = logits_of(&gpu, &mut cache, &tree);
         assert!(
-            replayed == direct,
+            same(&replayed, &direct, tree.len()),
             "{nodes} nodes: a replayed graph differs"
         );
     }
@@ -277,7 +264,10 @@ fn graphs_are_kept_per_shape_bucket_and_padding_changes_nothing() {
         if nodes == 3 {
             match &reference {
                 None => reference = Some(logits),
-                Some(first) => assert!(*first == logits, "a recaptured graph differs"),
+                Some(first) => assert!(
+                    same(first, &logits, tree.len()),
+                    "a recaptured graph differs"
+                ),
             }
         }
     }
@@ -309,26 +299,14 @@ fn attention_splits_keep_trees_and_incremental_decoding_identical() {
     for (i, &t) in ids[250..].iter().enumerate() {
         let one = logits_of(&gpu, &mut cache, &TokenTree::root(t));
         assert!(
-            one[0] == at_once[path[i]],
+            one.node(0) == at_once.node(path[i]),
             "position {}: tree and incremental differ",
             250 + i
         );
         gpu.compact(&mut cache, &[0]).unwrap();
     }
-    let mut kv = specinfer_model::KvCache::new(cpu.config());
-    cpu.prefill(&mut kv, &ids[..250]).unwrap();
-    let want = cpu
-        .forward(&mut [specinfer_model::SeqTree::new(&mut kv, &tree)])
-        .unwrap()
-        .remove(0);
-    let worst = (0..tree.len())
-        .flat_map(|n| {
-            at_once[n]
-                .iter()
-                .zip(want.node(n))
-                .map(|(a, b)| (a - b).abs())
-        })
-        .fold(0f32, f32::max);
+    let want = on_the_cpu(&cpu, &ids[..250], &tree);
+    let worst = worst_difference(&at_once, &want, 0..tree.len());
     assert!(worst < 1e-3, "max |difference| from the CPU engine {worst}");
 }
 

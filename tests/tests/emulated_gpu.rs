@@ -12,7 +12,8 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use specinfer_edge::{Client, Generation};
 use specinfer_integration::{NoisyDraft, API_KEY};
-use specinfer_model::cuda::{CudaLlama, CudaSeqTree, EmulatedDevice, Precision};
+use specinfer_model::cuda::checks::{on_gpu, prefill_gpu};
+use specinfer_model::cuda::{CudaLlama, EmulatedDevice, Precision};
 use specinfer_model::{Arch, Llama, ModelConfig, SampleWalk};
 use specinfer_speculator::{DraftMode, Drafter, RoundDriver, Speculator, TreeShape};
 use specinfer_verifier::engine::EngineConfig;
@@ -205,24 +206,10 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let prompt: Vec<u32> = (0..12).map(|_| rng.random_range(0..vocab)).collect();
     let mut cache = gpu.new_cache().unwrap();
-    let chain = TokenTree::chain(&prompt[..11]);
-    gpu.forward(&mut [CudaSeqTree {
-        cache: &mut cache,
-        tree: &chain,
-        first: 0,
-    }])
-    .unwrap();
-    gpu.compact(&mut cache, &(0..11).collect::<Vec<u32>>())
-        .unwrap();
+    prefill_gpu(&gpu, &mut cache, &prompt[..11]);
     // The LLM's four likeliest tokens after the prompt: every proposal holds them.
-    let root_logits = gpu
-        .forward(&mut [CudaSeqTree {
-            cache: &mut cache,
-            tree: &TokenTree::root(prompt[11]),
-            first: 0,
-        }])
+    let root_logits = on_gpu(&gpu, &mut cache, &TokenTree::root(prompt[11]), 0)
         .unwrap()
-        .remove(0)
         .node(0)
         .to_vec();
     let mut favoured: Vec<u32> = (0..vocab).collect();
@@ -233,14 +220,7 @@ fn the_device_walk_decides_exactly_as_the_host_walk() {
         for (temperature, top_p) in [(1.0f32, 1.0f32), (0.7, 0.9), (0.3, 0.5)] {
             for _ in 0..40 {
                 let tree = sampled_tree(&mut rng, prompt[11], &favoured, 3, mode, vocab);
-                let logits = gpu
-                    .forward(&mut [CudaSeqTree {
-                        cache: &mut cache,
-                        tree: &tree,
-                        first: 0,
-                    }])
-                    .unwrap()
-                    .remove(0);
+                let logits = on_gpu(&gpu, &mut cache, &tree, 0).unwrap();
                 // Eight walks of each tree, each with its own uniforms: decisions are many
                 // per forward.
                 for _ in 0..8 {

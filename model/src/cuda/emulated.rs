@@ -26,8 +26,6 @@ struct State {
     allocations: Mutex<BTreeMap<DevicePtr, usize>>,
     /// The launches recorded since `begin_capture`, while capturing.
     capture: Mutex<Option<Vec<Recorded>>>,
-    /// Launches run so far (replays included).
-    launches: AtomicUsize,
     /// Launches run so far, by kernel.
     by_kernel: Mutex<HashMap<Kernel, usize>>,
     /// Calls of `synchronize` so far.
@@ -72,11 +70,6 @@ impl EmulatedDevice {
     /// The device for the engine ([`super::CudaLlama::upload_to`]).
     pub fn shared(&self) -> Arc<dyn Device> {
         Arc::new(self.clone())
-    }
-
-    /// Launches run so far (each launch of a replayed graph counts).
-    pub fn launches(&self) -> usize {
-        self.0.launches.load(Ordering::Relaxed)
     }
 
     /// Launches of `kernel` run so far.
@@ -124,7 +117,6 @@ impl EmulatedDevice {
     /// # Safety
     /// As [`Device::launch`].
     unsafe fn run(&self, kernel: Kernel, shape: Launch, args: &[Arg]) -> Result<()> {
-        self.0.launches.fetch_add(1, Ordering::Relaxed);
         *self
             .0
             .by_kernel

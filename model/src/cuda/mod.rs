@@ -346,6 +346,15 @@ fn elementwise(n: usize) -> Launch {
     }
 }
 
+/// One warp per item, four warps (128 threads) per block: the projection and attention kernels.
+fn warps_of(warps: usize) -> Launch {
+    Launch {
+        grid: (warps.div_ceil(4) as u32, 1, 1),
+        block: (128, 1, 1),
+        shared_bytes: 0,
+    }
+}
+
 fn per_row(rows: usize, shared_floats: u32) -> Launch {
     Launch {
         grid: (rows as u32, 1, 1),
@@ -451,6 +460,7 @@ impl CudaLlama {
                 down: linear(&[&l.down])?,
             });
         }
+        let (splits, split_len) = attention_split(cfg.max_positions);
         let slot_units = cfg.kv_row() * precision.kv_units();
         let position_bytes = 2 * cfg.n_layers * slot_units * 2;
         let slots = kv_bytes / position_bytes;
@@ -495,8 +505,8 @@ impl CudaLlama {
                 Precision::Bf16 => Kernel::TreeAttentionBf16,
                 Precision::F32 => Kernel::TreeAttentionF32,
             },
-            splits: attention_split(cfg.max_positions).0,
-            split_len: attention_split(cfg.max_positions).1,
+            splits,
+            split_len,
             dev,
         })
     }
@@ -612,13 +622,8 @@ impl CudaLlama {
         y: &DeviceBuf<f32>,
     ) -> Result<()> {
         assert!(x.len() >= rows * l.inp && y.len() >= rows * l.out);
-        // One warp per (output column, tile of LINEAR_ROWS rows), four warps per block.
-        let warps = l.out * rows.div_ceil(LINEAR_ROWS);
-        let shape = Launch {
-            grid: (warps.div_ceil(4) as u32, 1, 1),
-            block: (128, 1, 1),
-            shared_bytes: 0,
-        };
+        // One warp per (output column, tile of LINEAR_ROWS rows).
+        let shape = warps_of(l.out * rows.div_ceil(LINEAR_ROWS));
         let (kernel, w) = match &l.w {
             DeviceWeights::F32(w) => (Kernel::LinearF32, w.arg()),
             DeviceWeights::Bf16(w) => (Kernel::LinearBf16, w.arg()),
@@ -782,14 +787,9 @@ impl CudaLlama {
                 ],
             )?;
             // One warp per (node, head, split), then one per (node, head) to merge the splits.
-            let warps = (rows * cfg.n_heads * self.splits) as u32;
             self.launch(
                 self.tree_attention,
-                Launch {
-                    grid: (warps.div_ceil(4), 1, 1),
-                    block: (128, 1, 1),
-                    shared_bytes: 0,
-                },
+                warps_of(rows * cfg.n_heads * self.splits),
                 &[
                     ws.attn_ml.arg(),
                     ws.attn_acc.arg(),
@@ -811,14 +811,9 @@ impl CudaLlama {
                     Arg::I32(self.split_len as i32),
                 ],
             )?;
-            let warps = (rows * cfg.n_heads) as u32;
             self.launch(
                 Kernel::AttentionCombine,
-                Launch {
-                    grid: (warps.div_ceil(4), 1, 1),
-                    block: (128, 1, 1),
-                    shared_bytes: 0,
-                },
+                warps_of(rows * cfg.n_heads),
                 &[
                     ws.attn.arg(),
                     ws.attn_ml.arg(),
@@ -1005,7 +1000,6 @@ impl CudaLlama {
         // and attention touch nothing a sequence holds.
         if self.graphs.load(Ordering::Relaxed) {
             let (bucket_rows, bucket_words) = graph_bucket(rows, words);
-            let pad = bucket_rows - rows;
             tokens.resize(bucket_rows, 0);
             positions.resize(bucket_rows, 0);
             committed.resize(bucket_rows, 0);
@@ -1022,7 +1016,6 @@ impl CudaLlama {
                 }
             }
             anc_words = anc;
-            debug_assert_eq!(tokens.len(), rows + pad);
         }
         // The batch's inputs into the workspace's, then every layer (replaying a CUDA graph of
         // them when one was captured for this shape).
