@@ -550,6 +550,17 @@ impl<'a> RoundDriver<'a> {
             return Ok(Recovery::Reopen);
         }
         let missed = server_committed[self.committed.len()..].to_vec();
+        // The lost round may have ended the answer, as its verdict would have said: a stop
+        // token among the generated ones (the verifier commits nothing after it), or the
+        // length asked for.
+        let generated = &server_committed[self.prompt_len..];
+        self.finish = if generated.iter().any(|t| self.params.stop_ids.contains(t)) {
+            Some(FinishReason::Stop)
+        } else if generated.len() >= self.params.max_new_tokens as usize {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
         Ok(Recovery::Resumed(self.commit(&missed)?))
     }
 

@@ -354,6 +354,37 @@ fn a_round_whose_answer_was_lost_is_recovered_by_resuming() {
     assert_eq!(d.generated(), expected(max_new as usize));
 }
 
+/// A lost round that ended the answer (here by length) ends it when the session is resumed:
+/// the driver does not send another round to a finished session.
+#[test]
+fn a_lost_round_that_finished_the_answer_finishes_it_on_resume() {
+    let max_new = 6;
+    let mut d = driver(
+        ToyDraft::new(3),
+        TreeShape::Expansion(vec![1, 1, 1]),
+        max_new,
+    );
+    let clock = scripted_clock();
+    let mut server = ScriptedVerifier::open(d.open_request());
+    loop {
+        let tree = d.draft(&clock).unwrap();
+        let verdict = server.verify(&tree);
+        if verdict.finish.is_some() {
+            // Its answer is lost with the connection.
+            d.connection_lost();
+            break;
+        }
+        d.on_verified(&verdict, clock()).unwrap();
+    }
+    assert!(!d.is_finished());
+    match d.on_resumed(&server.committed).unwrap() {
+        Recovery::Resumed(out) => assert!(out.finished, "{out:?}"),
+        Recovery::Reopen => panic!("the verifier's session continues ours"),
+    }
+    assert!(d.is_finished());
+    assert_eq!(d.generated(), expected(max_new as usize));
+}
+
 #[test]
 fn a_session_lost_for_good_is_reopened_with_everything_committed() {
     let max_new = 30u32;
