@@ -1058,6 +1058,13 @@ macro_rules! x86_path {
                     } else if LANES == ROWS {
                         pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
                         j += 1;
+                    } else if n > 2 {
+                        // 256 bits, several activation rows: one half per pass, so that a
+                        // tile holds twice the rows in the same registers (the second half's
+                        // pass reads the group from L1).
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
+                        pass::<1>(m, [Set::new(m, g0 + j, 1, &mut *d[j])], a, n);
+                        j += 1;
                     } else {
                         let lo = Set::new(m, g0 + j, 0, &mut *d[j]);
                         let hi = Set::new(m, g0 + j, 1, &mut *d[j]);
@@ -1102,13 +1109,21 @@ macro_rules! x86_path {
                 n: usize,
             ) {
                 let mut i = 0;
-                // Up to MAX_T activation rows per pass keep every accumulator in a register.
+                // Up to MAX_T activation rows per pass (twice that over one set of 256-bit
+                // lanes) keep every accumulator in a register.
+                let max_t = if S == 1 && LANES != ROWS {
+                    2 * MAX_T
+                } else {
+                    MAX_T
+                };
                 while i < n {
-                    i += match (n - i).min(MAX_T) {
+                    i += match (n - i).min(max_t) {
                         1 => tile::<1, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                         2 => tile::<2, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                         3 => tile::<3, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
-                        _ => tile::<4, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        4 => tile::<4, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        5 => tile::<5, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        _ => tile::<6, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                     };
                 }
             }
@@ -1580,9 +1595,9 @@ mod tests {
                         &mut [&mut part[..]],
                     );
                     assert_eq!(
-                        &part[..rows],
-                        &all[i * rows..(i + 1) * rows],
-                        "{format:?} {path:?}: row {i} in a batch of {n} vs portable in 64"
+                        &part[..],
+                        &all[i * rows..(i + n) * rows],
+                        "{format:?} {path:?}: rows {i}.. in a batch of {n} vs portable in 64"
                     );
                 }
             }
