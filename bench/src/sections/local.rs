@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use specinfer_edge::CATALOGUE;
+use specinfer_edge::{CatalogueModel, CATALOGUE};
 use specinfer_model::{fetch, gguf_tokenizer_and_context, ChatMessage};
 use specinfer_train::data;
 
@@ -28,6 +28,9 @@ struct Arrangement {
     args: &'static [&'static str],
     /// Sampled (T 0.8, top-p 0.95, the CLI's default) instead of greedy.
     sampled: bool,
+    /// Drafted by the pair's smaller GGUF (`--ssm NAME`) instead of the shipped drafter; run
+    /// only for LLMs that have one.
+    family_draft: bool,
 }
 
 const ARRANGEMENTS: &[Arrangement] = &[
@@ -35,51 +38,67 @@ const ARRANGEMENTS: &[Arrangement] = &[
         name: "plain (--tree none --lookup 0)",
         args: &["--tree", "none", "--lookup", "0"],
         sampled: false,
+        family_draft: false,
     },
     Arrangement {
         name: "lookup alone (--tree none)",
         args: &["--tree", "none"],
         sampled: false,
+        family_draft: false,
     },
     Arrangement {
         name: "default",
         args: &[],
         sampled: false,
+        family_draft: false,
     },
     Arrangement {
         name: "adaptive tree, no hand-off",
         args: &["--no-hand-off"],
         sampled: false,
+        family_draft: false,
     },
     Arrangement {
         name: "adaptive tree pipelined, no hand-off",
         args: &["--no-hand-off", "--pipeline"],
         sampled: false,
+        family_draft: false,
     },
     Arrangement {
         name: "dynamic:8 whole, no hand-off",
         args: &["--tree", "dynamic:8", "--no-hand-off"],
         sampled: false,
+        family_draft: false,
+    },
+    Arrangement {
+        name: "default, drafted by the smaller GGUF of the family",
+        args: &[],
+        sampled: false,
+        family_draft: true,
     },
     Arrangement {
         name: "plain (--tree none --lookup 0)",
         args: &["--tree", "none", "--lookup", "0"],
         sampled: true,
+        family_draft: false,
     },
     Arrangement {
         name: "lookup alone (--tree none)",
         args: &["--tree", "none"],
         sampled: true,
+        family_draft: false,
     },
     Arrangement {
         name: "default",
         args: &[],
         sampled: true,
+        family_draft: false,
     },
     Arrangement {
         name: "adaptive tree, no hand-off",
         args: &["--no-hand-off"],
         sampled: true,
+        family_draft: false,
     },
 ];
 
@@ -92,6 +111,8 @@ struct Measured {
     decode_tokens: usize,
     decode_s: f64,
     draft_s: f64,
+    /// Tree nodes sent (roots and the lookup's chains included).
+    tree_nodes: usize,
     /// Token ids per prompt (greedy runs are checked against plain decoding).
     answers: Vec<Value>,
 }
@@ -104,12 +125,20 @@ impl Measured {
     fn decode_tokens_per_s(&self) -> f64 {
         self.decode_tokens as f64 / self.decode_s
     }
+
+    /// Drafting time per tree node as a fraction of `plain`'s time per decoded token: what a
+    /// drafted token costs next to one of the LLM's (an upper bound on the LLM's side: its
+    /// decode step includes the client's round overhead).
+    fn draft_cost_vs(&self, plain: &Measured) -> f64 {
+        let per_node = self.draft_s / self.tree_nodes.max(1) as f64;
+        per_node * plain.decode_tokens_per_s()
+    }
 }
 
 fn run_ours(
     exe: &Path,
     cores: &str,
-    model: &str,
+    model: &CatalogueModel,
     prompts: &Path,
     max_new: u32,
     a: &Arrangement,
@@ -117,10 +146,13 @@ fn run_ours(
     let mut cmd = Command::new("taskset");
     cmd.args(["-c", cores])
         .arg(exe)
-        .args(["generate", "--model", model, "--prompt-file"])
+        .args(["generate", "--model", model.name, "--prompt-file"])
         .arg(prompts)
         .args(["--max-tokens", &max_new.to_string()])
         .args(a.args);
+    if a.family_draft {
+        cmd.args(["--ssm", model.family_draft.context("no smaller GGUF")?]);
+    }
     if !a.sampled {
         cmd.arg("--greedy");
     }
@@ -138,6 +170,7 @@ fn run_ours(
         decode_tokens: 0,
         decode_s: 0.0,
         draft_s: 0.0,
+        tree_nodes: 0,
         answers: Vec::new(),
     };
     for line in String::from_utf8(out.stdout)?.lines() {
@@ -150,6 +183,7 @@ fn run_ours(
         m.decode_tokens += ids.len().saturating_sub(1);
         m.decode_s += wall_s - r["ttft_ms"].as_f64().context("ttft_ms")? / 1e3;
         m.draft_s += r["draft_ms"].as_f64().context("draft_ms")? / 1e3;
+        m.tree_nodes += r["tree_nodes"].as_u64().context("tree_nodes")? as usize;
         m.answers.push(r["token_ids"].clone());
     }
     Ok(m)
@@ -239,7 +273,11 @@ fn prompt_sets(n: usize) -> Result<Vec<(&'static str, Vec<String>)>> {
     ])
 }
 
-pub fn run(quick: bool) -> Result<Section> {
+/// Measures the catalogue LLMs named in `models` (all of them when it is empty).
+pub fn run(quick: bool, models: &[String]) -> Result<Section> {
+    for name in models {
+        specinfer_edge::catalogue_model(name)?;
+    }
     let threads = rayon::current_num_threads();
     let cores = format!("0-{}", threads - 1);
     let cache = fetch::cache_dir();
@@ -261,15 +299,16 @@ pub fn run(quick: bool) -> Result<Section> {
          {n_llama_spec} prompts of the set (chat-formatted; its own decoding speed). Greedy answers are checked token for token against our plain decoding.\n\n"
     );
     let mut json_models = Vec::new();
-    for model in CATALOGUE {
+    for model in CATALOGUE
+        .iter()
+        .filter(|m| models.is_empty() || models.iter().any(|n| n == m.name))
+    {
         let llm = fetch::ensure_with(model.llm, &cache, &mut |e| eprintln!("[local] {e}"))?;
-        let draft_gguf = match &model.drafter {
-            specinfer_edge::setup::DefaultDrafter::Fetched(src) => {
-                Some(fetch::ensure_with(src, &cache, &mut |e| {
-                    eprintln!("[local] {e}")
-                })?)
-            }
-            specinfer_edge::setup::DefaultDrafter::Shipped(_) => None,
+        let draft_gguf = match model.family_draft.and_then(fetch::named_model) {
+            Some(src) => Some(fetch::ensure_with(src, &cache, &mut |e| {
+                eprintln!("[local] {e}")
+            })?),
+            None => None,
         };
         let (tok, _) = gguf_tokenizer_and_context(&llm)?;
         eprintln!("[local] {}: llama.cpp plain decoding", model.name);
@@ -302,8 +341,8 @@ pub fn run(quick: bool) -> Result<Section> {
             };
             md += &format!(
                 "**{set_name}**{}\n\n\
-                 | arrangement | decoding | decode tokens/s | vs llama.cpp plain | vs our plain | whole answers tokens/s | tokens per LLM pass | drafting ms per pass | greedy answers equal plain |\n\
-                 |---|---|---|---|---|---|---|---|---|\n",
+                 | arrangement | decoding | decode tokens/s | vs llama.cpp plain | vs our plain | whole answers tokens/s | tokens per LLM pass | drafting ms per pass | drafting per node / LLM per token | greedy answers equal plain |\n\
+                 |---|---|---|---|---|---|---|---|---|---|\n",
                 match llama_spec {
                     Some((rate, accept)) => format!(
                         ": llama.cpp's speculative example {rate:.1} tokens/s ({:.2}x its plain decoding, {:.0} % of drafted tokens accepted)",
@@ -315,14 +354,17 @@ pub fn run(quick: bool) -> Result<Section> {
             );
             let mut rows = Vec::new();
             let mut plain: [Option<Measured>; 2] = [None, None];
-            for a in ARRANGEMENTS {
+            for a in ARRANGEMENTS
+                .iter()
+                .filter(|a| !a.family_draft || model.family_draft.is_some())
+            {
                 eprintln!(
                     "[local] {} {set_name}: {} ({})",
                     model.name,
                     a.name,
                     if a.sampled { "sampled" } else { "greedy" }
                 );
-                let m = run_ours(&exe, &cores, model.name, &file, max_new, a)?;
+                let m = run_ours(&exe, &cores, model, &file, max_new, a)?;
                 let base = plain[a.sampled as usize].as_ref().unwrap_or(&m);
                 let same = if a.sampled {
                     "-".to_string()
@@ -336,7 +378,7 @@ pub fn run(quick: bool) -> Result<Section> {
                     );
                 };
                 md += &format!(
-                    "| {} | {} | {:.1} | {:.2}x | {:.2}x | {:.1} | {:.2} | {:.2} | {same} |\n",
+                    "| {} | {} | {:.1} | {:.2}x | {:.2}x | {:.1} | {:.2} | {:.2} | {:.4} | {same} |\n",
                     a.name,
                     if a.sampled { "sampled" } else { "greedy" },
                     m.decode_tokens_per_s(),
@@ -345,15 +387,19 @@ pub fn run(quick: bool) -> Result<Section> {
                     m.tokens_per_s(),
                     m.tokens as f64 / m.rounds.max(1) as f64,
                     m.draft_s * 1e3 / m.rounds.max(1) as f64,
+                    m.draft_cost_vs(base),
                 );
                 rows.push(json!({
                     "arrangement": a.name,
                     "sampled": a.sampled,
                     "args": a.args,
+                    "family_draft": a.family_draft,
                     "tokens": m.tokens,
                     "rounds": m.rounds,
                     "wall_s": m.wall_s,
                     "draft_s": m.draft_s,
+                    "tree_nodes": m.tree_nodes,
+                    "draft_per_node_vs_llm_token": m.draft_cost_vs(base),
                     "tokens_per_s": m.tokens_per_s(),
                     "decode_tokens_per_s": m.decode_tokens_per_s(),
                     "vs_llama_cpp_plain": m.decode_tokens_per_s() / llama_tg,

