@@ -537,23 +537,29 @@ fn load_drafts(
 ) -> Result<Vec<DraftSource>> {
     let mut ssms: Vec<DraftSource> = Vec::new();
     for path in paths {
-        let shipped = CATALOGUE.iter().any(|m| m.drafter == path);
-        if shipped && !Path::new(path).is_dir() {
-            return Err(SetupError::Invalid(format!(
-                "the shipped SSM {path} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|NAME|self"
-            )));
-        }
-        // A drafter named as a fetchable model (`--ssm qwen2.5-coder-0.5b`): its GGUF, fetched.
-        let fetched;
+        // A drafter named as a fetchable model (`--ssm qwen2.5-coder-0.5b`): its GGUF, fetched;
+        // a shipped drafter folder: from the working directory, else from the repository this
+        // binary was built in (a front end started elsewhere, as the desktop app may be).
+        let resolved;
         let path = match fetch::named_model(path) {
             Some(src) if !Path::new(path).exists() => {
-                fetched = fetch::ensure_with(src, &fetch::cache_dir(), &mut |e| {
+                resolved = fetch::ensure_with(src, &fetch::cache_dir(), &mut |e| {
                     progress(&SetupEvent::Fetch(e))
                 })
                 .map_err(|e| SetupError::from(e).context(format!("fetching the drafter {path}")))?
                 .to_string_lossy()
                 .into_owned();
-                &fetched
+                &resolved
+            }
+            _ if CATALOGUE.iter().any(|m| m.drafter == path) && !Path::new(path).is_dir() => {
+                let built_in = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
+                if !built_in.is_dir() {
+                    return Err(SetupError::Invalid(format!(
+                        "the shipped SSM {path} is not here: run from the repository root, or give --ssm FOLDER|FILE.gguf|NAME|self"
+                    )));
+                }
+                resolved = built_in.to_string_lossy().into_owned();
+                &resolved
             }
             _ => path,
         };
