@@ -1,8 +1,12 @@
 //! The window driven headless (egui_kittest): real models, the embedded verifier over loopback
 //! QUIC, and, for the bad pin, a real remote verifier.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+use common::{cli_answer_with, repo};
 
 use egui::accesskit::Role;
 use egui_kittest::kittest::Queryable;
@@ -12,10 +16,6 @@ use specinfer_desktop::store::Role as Speaker;
 use specinfer_desktop::{AppConfig, DesktopApp, Status};
 
 const QUESTION: &str = "What is the capital of France?";
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// An app data folder of the test's own, removed when dropped.
 fn scratch(name: &str) -> tempfile::TempDir {
@@ -89,31 +89,6 @@ fn ask(harness: &mut Harness<'_, DesktopApp>, question: &str) {
 /// `specinfer generate`'s greedy answer (the CLI of this build).
 fn cli_answer(question: &str, max_tokens: u32) -> String {
     cli_answer_with(question, max_tokens, &[])
-}
-
-/// The same with more of the CLI's options.
-fn cli_answer_with(question: &str, max_tokens: u32, options: &[&str]) -> String {
-    let exe = std::env::current_exe().unwrap();
-    let cli = exe.parent().unwrap().parent().unwrap().join("specinfer");
-    assert!(
-        cli.exists(),
-        "{} is missing: build it with `cargo build --release -p specinfer-edge`",
-        cli.display()
-    );
-    let out = std::process::Command::new(cli)
-        .current_dir(repo())
-        .args(["generate", "--greedy", "--json", "--prompt", question])
-        .args(["--max-tokens", &max_tokens.to_string()])
-        .args(options)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "specinfer generate: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    report["text"].as_str().unwrap().to_string()
 }
 
 #[test]

@@ -1,11 +1,16 @@
 //! The real `specinfer-desktop` binary in a real window: an X server in memory (Xvfb), the
-//! keyboard driven by xdotool, one exchange, and a screenshot of it in `target/tmp/desktop.png`
-//! (ImageMagick's `import`). `scripts/test` installs the three (Debian: xvfb, xdotool,
+//! keyboard and mouse driven by xdotool, one exchange with SmolLM2, a switch of the LLM to the
+//! catalogue's Qwen coder in the settings window and an exchange with it, and screenshots of both
+//! in `target/tmp/desktop.png` and `desktop-qwen.png` (ImageMagick's `import`). `scripts/test` installs the three (Debian: xvfb, xdotool,
 //! imagemagick).
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{cli_answer_with, repo};
 
 use specinfer_desktop::settings::Settings;
 use specinfer_desktop::store::{Role, Store};
@@ -188,19 +193,85 @@ fn desktop_exe() -> PathBuf {
         .join("specinfer-desktop")
 }
 
-/// The conversation's answer, once it is saved.
-fn saved_answer(conversations: &Path) -> Option<String> {
-    let store = Store::open(conversations.to_path_buf()).ok()?;
-    let (loaded, _) = store.load_all();
-    let c = loaded.first()?;
-    c.messages
+/// The first answer of each saved conversation, oldest conversation first.
+fn saved_answers(conversations: &Path) -> Vec<String> {
+    let Ok(store) = Store::open(conversations.to_path_buf()) else {
+        return Vec::new();
+    };
+    let (mut loaded, _) = store.load_all();
+    // Ids are creation times in milliseconds, made unique: their order is the creation order.
+    loaded.sort_by(|a, b| (a.id.len(), &a.id).cmp(&(b.id.len(), &b.id)));
+    loaded
         .iter()
-        .find(|m| m.role == Role::Assistant)
-        .map(|m| m.content.clone())
+        .filter_map(|c| {
+            c.messages
+                .iter()
+                .find(|m| m.role == Role::Assistant)
+                .map(|m| m.content.clone())
+        })
+        .collect()
+}
+
+fn conversation_files(conversations: &Path) -> usize {
+    std::fs::read_dir(conversations).map_or(0, |d| d.count())
+}
+
+/// Types `question` into the composer and sends it. The composer has the focus from the first
+/// frame on, and Enter sends only once the models are set up: until a conversation file more than
+/// `before` exists, focus the window, clear the composer, type and press Enter (keys sent before
+/// the first frame, or while a model loads, are lost).
+fn send(app: &mut App, display: &str, window: &str, conversations: &Path, question: &str) {
+    let before = conversation_files(conversations);
+    app.wait_for(
+        &format!("{question:?} to be sent"),
+        Duration::from_secs(600),
+        || {
+            xdotool(display, &["windowfocus", "--sync", window]);
+            xdotool(display, &["key", "ctrl+a", "BackSpace"]);
+            xdotool(display, &["type", "--delay", "10", question]);
+            xdotool(display, &["key", "Return"]);
+            std::thread::sleep(Duration::from_millis(500));
+            conversation_files(conversations) > before
+        },
+    );
+}
+
+/// Where the switch's clicks land, in window coordinates: egui lays the window out the same way
+/// every time at its default size with its built-in fonts (checked below). A layout change that
+/// moves them fails the settings check, with a screenshot of where things were.
+const WINDOW_SIZE: &str = "1100x720";
+const SETTINGS_BUTTON: (u32, u32) = (39, 12);
+const QWEN_CHOICE: (u32, u32) = (140, 170);
+const APPLY_BUTTON: (u32, u32) = (47, 439);
+const NEW_CONVERSATION: (u32, u32) = (67, 41);
+
+fn click(display: &str, window: &str, (x, y): (u32, u32)) {
+    let (x, y) = (x.to_string(), y.to_string());
+    xdotool(
+        display,
+        &["mousemove", "--window", window, &x, &y, "click", "1"],
+    )
+    .expect("xdotool clicks");
+    // A frame or two to react.
+    std::thread::sleep(Duration::from_millis(800));
+}
+
+fn screenshot(display: &str, window: &str, shot: &Path) {
+    let _ = std::fs::remove_file(shot);
+    let status = Command::new("import")
+        .args(["-display", display, "-window", window])
+        .arg(shot)
+        .status()
+        .unwrap();
+    assert!(status.success(), "import took the screenshot");
+    // A blank screen compresses to a few hundred bytes; text and panels do not.
+    let size = std::fs::metadata(shot).unwrap().len();
+    assert!(size > 20_000, "{} is only {size} bytes", shot.display());
+    eprintln!("screenshot: {}", shot.display());
 }
 
 #[test]
-fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
+fn the_binary_answers_in_a_real_window_switches_to_the_qwen_coder_and_answers_again() {
     // The app's data and the logs in a folder of this run's own (removed at the end; a failure
     // prints the logs); the screenshot where a reviewer finds it.
     let target_tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
@@ -214,10 +285,7 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
     Settings {
         greedy: true,
         max_tokens: 40,
-        draft: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/ssm")
-            .display()
-            .to_string(),
+        draft: repo().join("models/ssm").display().to_string(),
         ..Settings::default()
     }
     .save(&data.join("settings.json"))
@@ -255,37 +323,60 @@ fn the_binary_answers_in_a_real_window_and_the_screenshot_shows_it() {
                 .unwrap_or_else(|said| panic!("the app exited before its window appeared; {said}"))
         }
     };
-    // The composer has the focus from the first frame on, and Enter sends only once the models
-    // are set up: until the question is sent, focus the window, clear the composer, type the
-    // question and press Enter (keys sent before the first frame are lost).
     let conversations = data.join("conversations");
-    app.wait_for("the question to be sent", Duration::from_secs(240), || {
-        xdotool(&display, &["windowfocus", "--sync", &window]);
-        xdotool(&display, &["key", "ctrl+a", "BackSpace"]);
-        xdotool(&display, &["type", "--delay", "10", QUESTION]);
-        xdotool(&display, &["key", "Return"]);
-        std::thread::sleep(Duration::from_millis(500));
-        std::fs::read_dir(&conversations).is_ok_and(|mut d| d.next().is_some())
-    });
-    let mut answer = None;
+    send(&mut app, &display, &window, &conversations, QUESTION);
+    let mut answers = Vec::new();
     app.wait_for("the answer", Duration::from_secs(120), || {
-        answer = saved_answer(&conversations);
-        answer.is_some()
+        answers = saved_answers(&conversations);
+        !answers.is_empty()
     });
-    assert!(!answer.unwrap().is_empty(), "an answer came back");
+    assert!(!answers[0].is_empty(), "an answer came back");
     // Let the window paint the finished answer and its figures.
     std::thread::sleep(Duration::from_secs(2));
+    screenshot(&display, &window, &target_tmp.join("desktop.png"));
 
-    let shot = target_tmp.join("desktop.png");
-    let _ = std::fs::remove_file(&shot);
-    let status = Command::new("import")
-        .args(["-display", &display, "-window", &window])
-        .arg(&shot)
-        .status()
-        .unwrap();
-    assert!(status.success(), "import took the screenshot");
-    // A blank screen compresses to a few hundred bytes; text and panels do not.
-    let size = std::fs::metadata(&shot).unwrap().len();
-    assert!(size > 20_000, "{} is only {size} bytes", shot.display());
-    eprintln!("screenshot: {}", shot.display());
+    // Switch the LLM once, by the mouse: Settings, the catalogue's Qwen coder, Apply. Its drafter
+    // comes with it (fetched, like the GGUF, with a progress bar when missing).
+    let geometry = xdotool(&display, &["getwindowgeometry", &window]).unwrap_or_default();
+    assert!(
+        geometry.contains(WINDOW_SIZE),
+        "the clicks below are placed for a {WINDOW_SIZE} window: {geometry}"
+    );
+    click(&display, &window, SETTINGS_BUTTON);
+    click(&display, &window, QWEN_CHOICE);
+    click(&display, &window, APPLY_BUTTON);
+    let settings_file = data.join("settings.json");
+    let switched = || Settings::load(&settings_file).is_ok_and(|s| s.llm == "qwen2.5-coder-1.5b");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !switched() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    if !switched() {
+        let shot = target_tmp.join("desktop-switch-failed.png");
+        screenshot(&display, &window, &shot);
+        panic!(
+            "the clicks did not switch the LLM (has the settings window's layout moved? see {}); {}",
+            shot.display(),
+            app.said()
+        );
+    }
+    // A new conversation, so that the answer depends on the question alone, as the CLI's does.
+    click(&display, &window, NEW_CONVERSATION);
+    const QWEN_QUESTION: &str = "Write a Python function that reverses a string.";
+    send(&mut app, &display, &window, &conversations, QWEN_QUESTION);
+    app.wait_for("the Qwen coder's answer", Duration::from_secs(180), || {
+        answers = saved_answers(&conversations);
+        answers.len() == 2
+    });
+    let log = std::fs::read_to_string(&app.log).unwrap_or_default();
+    assert!(
+        log.contains("Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf"),
+        "the app did not load the Qwen coder; {}",
+        app.said()
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    screenshot(&display, &window, &target_tmp.join("desktop-qwen.png"));
+    // Greedy, so token-identical to the Qwen coder alone: the CLI's answer with the same model.
+    let cli = cli_answer_with(QWEN_QUESTION, 40, &["--model", "qwen2.5-coder-1.5b"]);
+    assert_eq!(answers[1], cli, "the window's Qwen answer is the CLI's");
 }
