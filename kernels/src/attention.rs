@@ -7,6 +7,13 @@
 //! V row of the prefix is read once per call and used for all of them, instead of once per
 //! (node, head). Softmax is two-pass (scores of a row kept, one max, one sum): a tree's score rows
 //! are small, and a row's result then depends on nothing but the row.
+//!
+//! The cache may hold f32 or f16 values ([`KvRows`]). f16 halves the bytes every decoded token
+//! reads from a long context (and the memory a session holds); each row is widened to f32 as it is
+//! read (exact), so attention over an f16 cache gives the bits of f32 attention over the stored
+//! values.
+
+use std::borrow::Cow;
 
 use rayon::prelude::*;
 
@@ -18,6 +25,80 @@ pub struct AttentionShape {
     pub n_heads: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
+}
+
+/// A sequence's K or V cache of one layer, position-major `[positions, n_kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl KvRows<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F32(c) => c.len(),
+            KvRows::F16(c) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32 (exact), for comparisons.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            KvRows::F32(c) => c.to_vec(),
+            KvRows::F16(c) => c.iter().map(|h| h.to_f32()).collect(),
+        }
+    }
+}
+
+/// `count` rows of `len` values of `cache`, the first at element `first` and each `stride` after
+/// the one before, as f32: `(values, offset of the first row, stride)`. An f32 cache is read in
+/// place; an f16 one is widened into `buf` (asking for the rows a few ahead of the widening).
+#[inline(always)]
+fn rows_f32<'a, A: Arith>(
+    cache: KvRows<'a>,
+    first: usize,
+    stride: usize,
+    count: usize,
+    len: usize,
+    buf: &'a mut Vec<f32>,
+) -> (&'a [f32], usize, usize) {
+    match cache {
+        KvRows::F32(c) => (c, first, stride),
+        KvRows::F16(c) => {
+            const AHEAD: usize = 8;
+            buf.clear();
+            buf.resize(count * len, 0.0);
+            for r in 0..count {
+                let ahead = c.as_ptr().wrapping_add(first + (r + AHEAD) * stride);
+                for line in (0..len).step_by(32) {
+                    A::prefetch(ahead.wrapping_add(line) as *const f32);
+                }
+                A::widen(&c[first + r * stride..][..len], &mut buf[r * len..][..len]);
+            }
+            (buf, 0, len)
+        }
+    }
+}
+
+/// `cache[range]` as f32: borrowed from an f32 cache, widened from an f16 one.
+fn region_f32(cache: KvRows<'_>, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+    #[inline(always)]
+    fn widen<A: Arith>(src: &[half::f16], dst: &mut [f32]) {
+        A::widen(src, dst)
+    }
+    match cache {
+        KvRows::F32(c) => Cow::Borrowed(&c[range]),
+        KvRows::F16(c) => {
+            let mut out = vec![0f32; range.len()];
+            dispatch!(widen::<A>(src: &[half::f16] = &c[range], dst: &mut [f32] = &mut out));
+            Cow::Owned(out)
+        }
+    }
 }
 
 /// Attention for `n` new nodes of one sequence.
@@ -40,8 +121,8 @@ pub struct AttentionShape {
 pub fn tree_attention(
     shape: AttentionShape,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: KvRows<'_>,
+    v: KvRows<'_>,
     past: usize,
     first: usize,
     ancestors: &[u64],
@@ -88,11 +169,16 @@ pub fn tree_attention(
             offsets.push(offsets.last().unwrap() + past + seen.len());
         }
     }
+    // The tree's own rows (a few positions, or a whole prompt) widened once, not per query.
+    let tree = past * kv_row..(past + first + n) * kv_row;
+    let (tree_k, tree_v) = (region_f32(k, tree.clone()), region_f32(v, tree));
     let a = Attention {
         shape,
         q,
         k,
         v,
+        tree_k: &tree_k,
+        tree_v: &tree_v,
         past,
         n,
         group: n_heads / n_kv_heads,
@@ -165,8 +251,11 @@ pub fn tree_attention(
 struct Attention<'a> {
     shape: AttentionShape,
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: KvRows<'a>,
+    v: KvRows<'a>,
+    /// K and V of the tree's positions (`past..`), as f32, `[tree position, kv head, dim]`.
+    tree_k: &'a [f32],
+    tree_v: &'a [f32],
     past: usize,
     n: usize,
     group: usize,
@@ -181,10 +270,10 @@ impl Attention<'_> {
         &self.q[(i * self.shape.n_heads + h) * hd..][..hd]
     }
 
-    /// K or V of kv head `kh` at cache position `pos`, dimensions `d0..d0 + len`.
-    fn at<'c>(&self, cache: &'c [f32], pos: usize, kh: usize, d0: usize, len: usize) -> &'c [f32] {
-        let hd = self.shape.head_dim;
-        &cache[(pos * self.shape.n_kv_heads + kh) * hd + d0..][..len]
+    /// Where kv head `kh`'s dimension `d0` of tree position `pos` (absolute) lies in `tree_k`
+    /// and `tree_v`.
+    fn tree_at(&self, pos: usize, kh: usize, d0: usize) -> usize {
+        ((pos - self.past) * self.shape.n_kv_heads + kh) * self.shape.head_dim + d0
     }
 }
 
@@ -218,13 +307,26 @@ fn prefix_scores<A: Arith>(
     scores: &SyncPtr,
 ) {
     let hd = a.shape.head_dim;
-    // Where kv head kh's K row of a position starts; consecutive positions are `stride` apart.
-    let (k_at, stride) = (
-        |pos: usize| (pos * a.shape.n_kv_heads + kh) * hd,
+    // The chunk's K rows of kv head kh: in the cache (f32), or widened into `buf` (f16).
+    let mut buf = Vec::new();
+    let (k, k0, stride) = rows_f32::<A>(
+        a.k,
+        (positions.start * a.shape.n_kv_heads + kh) * hd,
         a.shape.n_kv_heads * hd,
+        positions.len(),
+        hd,
+        &mut buf,
     );
-    let k_row = |pos: usize| &a.k[k_at(pos)..][..hd];
-    let k_ahead = |pos: usize| prefetch_lines::<A>(a.k.as_ptr().wrapping_add(k_at(pos)), hd);
+    let k_at = |pos: usize| k0 + (pos - positions.start) * stride;
+    let k_row = |pos: usize| &k[k_at(pos)..][..hd];
+    // Rows read in place stream from memory on the first query: ask for them ahead (widened
+    // rows were asked for as they were widened, and are in L1 now).
+    let in_place = matches!(a.k, KvRows::F32(_));
+    let k_ahead = |pos: usize| {
+        if in_place {
+            prefetch_lines::<A>(k.as_ptr().wrapping_add(k_at(pos)), hd)
+        }
+    };
     for pos in positions.start..positions.start + PREFETCH_AHEAD {
         k_ahead(pos);
     }
@@ -246,7 +348,7 @@ fn prefix_scores<A: Arith>(
                 let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
                 // A block and single positions give the same bits (see `Arith::dots`).
                 if len == SCORE_BLOCK {
-                    A::scaled_dots8(q, a.k, k_at(pos), stride, a.scale, dst);
+                    A::scaled_dots8(q, k, k_at(pos), stride, a.scale, dst);
                 } else {
                     for (p, d) in dst.iter_mut().enumerate() {
                         *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;
@@ -268,7 +370,7 @@ fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
     for (t, &pos) in a.tree_visible[i].iter().enumerate() {
         // The same code as the prefix's scores: a position scores the same bits whether it is
         // committed or an ancestor in the tree.
-        row[a.past + t] = A::dots(q, [a.at(a.k, pos, kh, 0, hd)])[0] * a.scale;
+        row[a.past + t] = A::dots(q, [&a.tree_k[a.tree_at(pos, kh, 0)..][..hd]])[0] * a.scale;
     }
     let max = lanes::max(row);
     // A node always sees itself: the sum is at least 1.
@@ -290,30 +392,36 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
     let weights = |r: usize| &w.scores[a.offsets[r]..a.offsets[r + 1]];
     let row_weights: Vec<&[f32]> = rows.iter().map(|&r| weights(r)).collect();
     let prefix = |t: usize| (t * nkv + kh) * hd + d0;
+    let mut buf = Vec::new();
     for start in (0..a.past).step_by(BLOCK) {
-        // The next block's V rows, asked for while every row uses this block.
-        for t in start + BLOCK..(start + 2 * BLOCK).min(a.past) {
-            prefetch_lines::<A>(a.v.as_ptr().wrapping_add(prefix(t)), D);
-        }
         let block = start..(start + BLOCK).min(a.past);
+        // The block's V rows: in the cache (f32; the next block's asked for while every row
+        // uses this one), or widened into `buf` (f16, asked for as they are widened).
+        if let KvRows::F32(v) = a.v {
+            for t in start + BLOCK..(start + 2 * BLOCK).min(a.past) {
+                prefetch_lines::<A>(v.as_ptr().wrapping_add(prefix(t)), D);
+            }
+        }
+        let (v, v0, stride) = rows_f32::<A>(a.v, prefix(start), nkv * hd, block.len(), D, &mut buf);
+        let at = |t: usize| v0 + (t - start) * stride;
         // Rows in runs, each V row loaded once per run.
         let mut i = 0;
         while i < rows.len() {
             let (acc, ws) = (&mut acc[i..], &row_weights[i..]);
             i += match rows.len() - i {
-                1 => accumulate_run::<A, D, 1>(acc, ws, a.v, prefix, block.clone()),
-                2 => accumulate_run::<A, D, 2>(acc, ws, a.v, prefix, block.clone()),
-                3 => accumulate_run::<A, D, 3>(acc, ws, a.v, prefix, block.clone()),
-                _ => accumulate_run::<A, D, 4>(acc, ws, a.v, prefix, block.clone()),
+                1 => accumulate_run::<A, D, 1>(acc, ws, v, at, block.clone()),
+                2 => accumulate_run::<A, D, 2>(acc, ws, v, at, block.clone()),
+                3 => accumulate_run::<A, D, 3>(acc, ws, v, at, block.clone()),
+                _ => accumulate_run::<A, D, 4>(acc, ws, v, at, block.clone()),
             };
         }
     }
     for ((acc, &r), &ws) in acc.iter_mut().zip(&rows).zip(&row_weights) {
         let seen = &a.tree_visible[r / a.shape.n_heads];
-        let tree = |t: usize| (seen[t - a.past] * nkv + kh) * hd + d0;
+        let tree = |t: usize| a.tree_at(seen[t - a.past], kh, d0);
         A::accumulate(
             std::array::from_mut(acc),
-            a.v,
+            a.tree_v,
             tree,
             a.past..a.past + seen.len(),
             [ws],
@@ -431,7 +539,17 @@ mod tests {
             let k = r((past + n) * 2 * 12);
             let v = r((past + n) * 2 * 12);
             let mut out = vec![0f32; q.len()];
-            tree_attention(shape, &q, &k, &v, past, 0, &bits, wpn, &mut out);
+            tree_attention(
+                shape,
+                &q,
+                KvRows::F32(&k),
+                KvRows::F32(&v),
+                past,
+                0,
+                &bits,
+                wpn,
+                &mut out,
+            );
             let want = reference(shape, &q, &k, &v, past, &sees);
             let err = out
                 .iter()
@@ -439,6 +557,57 @@ mod tests {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(err < 1e-5, "n={n} past={past}: max abs err {err}");
+        }
+    }
+
+    /// An f16 cache gives exactly the bits of an f32 cache holding the same (rounded) values, on
+    /// every path this CPU has: widening is exact and the arithmetic is the same. Shapes with
+    /// and without a prefix longer than a block, and head sizes of every register width.
+    #[test]
+    fn an_f16_cache_gives_the_bits_of_f32_over_its_values() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for &(n, past, head_dim) in &[
+            (1usize, 150usize, 64usize),
+            (5, 70, 128),
+            (3, 9, 12),
+            (70, 0, 32),
+        ] {
+            let shape = AttentionShape {
+                n_heads: 6,
+                n_kv_heads: 2,
+                head_dim,
+            };
+            // A chain: node i sees nodes 0..=i.
+            let wpn = n.div_ceil(64);
+            let mut bits = vec![0u64; n * wpn];
+            for i in 0..n {
+                for j in 0..=i {
+                    bits[i * wpn + j / 64] |= 1 << (j % 64);
+                }
+            }
+            let mut r = |len| {
+                (0..len)
+                    .map(|_| half::f16::from_f32(rng.random_range(-2.0f32..2.0)))
+                    .collect::<Vec<_>>()
+            };
+            let q: Vec<f32> = r(n * 6 * head_dim).iter().map(|h| h.to_f32()).collect();
+            let (k16, v16) = (r((past + n) * 2 * head_dim), r((past + n) * 2 * head_dim));
+            let widen = |h: &[half::f16]| h.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+            let (k32, v32) = (widen(&k16), widen(&v16));
+            let run = |k, v| {
+                let mut out = vec![0f32; q.len()];
+                tree_attention(shape, &q, k, v, past, 0, &bits, wpn, &mut out);
+                out
+            };
+            let halves = run(KvRows::F16(&k16), KvRows::F16(&v16));
+            let floats = run(KvRows::F32(&k32), KvRows::F32(&v32));
+            assert!(
+                halves
+                    .iter()
+                    .zip(&floats)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "n={n} past={past} head_dim={head_dim}: f16 and f32 caches differ"
+            );
         }
     }
 }

@@ -43,6 +43,14 @@ pub(crate) trait Arith {
     #[inline(always)]
     fn prefetch(_p: *const f32) {}
 
+    /// `dst[i] = src[i]` as f32 (exact: every f16 is an f32), for the first `src.len()` values.
+    #[inline(always)]
+    fn widen(src: &[half::f16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+
     /// For each of `R` rows: `acc[t % 2] += weights[t] * cache[at(t)..][..D]` for `t` in `ts`,
     /// in order: the sums of even and odd positions are two chains in flight; callers add them
     /// at the end. A row's bits are those it gets alone (`R = 1`), and splitting a range into
@@ -133,6 +141,12 @@ impl Arith for Fused {
     fn prefetch(p: *const f32) {
         // SAFETY: a prefetch never faults.
         unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) }
+    }
+
+    #[inline(always)]
+    fn widen(src: &[half::f16], dst: &mut [f32]) {
+        // SAFETY: as above (the dispatched functions have F16C too).
+        unsafe { fused::widen(src, dst) }
     }
 
     #[inline(always)]
@@ -267,6 +281,12 @@ impl Arith for Wide {
     }
 
     #[inline(always)]
+    fn widen(src: &[half::f16], dst: &mut [f32]) {
+        // SAFETY: as above (the dispatched functions have F16C too).
+        unsafe { wide::widen(src, dst) }
+    }
+
+    #[inline(always)]
     fn accumulate<const D: usize, const R: usize>(
         acc: &mut [[[f32; D]; 2]; R],
         cache: &[f32],
@@ -359,6 +379,19 @@ mod wide {
         }
         let sums = _mm256_add_ps(fused::hsum8x8(folded), _mm256_setzero_ps());
         _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    }
+
+    /// [`super::Arith::widen`], sixteen values an instruction.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn widen(src: &[half::f16], dst: &mut [f32]) {
+        assert!(dst.len() >= src.len(), "dst too short");
+        let chunks = src.len() / 16;
+        for c in 0..chunks {
+            let h = _mm256_loadu_si256(src.as_ptr().add(16 * c) as *const __m256i);
+            _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), _mm512_cvtph_ps(h));
+        }
+        fused::widen(&src[16 * chunks..], &mut dst[16 * chunks..]);
     }
 
     softmax_exp! {
@@ -522,6 +555,21 @@ mod fused {
         _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
     }
 
+    /// [`super::Arith::widen`], eight values an instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn widen(src: &[half::f16], dst: &mut [f32]) {
+        assert!(dst.len() >= src.len(), "dst too short");
+        let chunks = src.len() / 8;
+        for c in 0..chunks {
+            let h = _mm_loadu_si128(src.as_ptr().add(8 * c) as *const __m128i);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), _mm256_cvtph_ps(h));
+        }
+        for (d, s) in dst[8 * chunks..].iter_mut().zip(&src[8 * chunks..]) {
+            *d = s.to_f32();
+        }
+    }
+
     softmax_exp! {
         features: "avx2,fma", arith: super::Fused, lanes: 8, float: __m256,
         set1: _mm256_set1_ps, set1_i: _mm256_set1_epi32, zero: _mm256_setzero_ps,
@@ -626,7 +674,9 @@ mod fused {
     }
 }
 
-/// Whether the `avx2,fma` compilation may run here (`SPECINFER_NO_SIMD` turns it off).
+/// Whether the `avx2,fma,f16c` compilation may run here (`SPECINFER_NO_SIMD` turns it off).
+/// F16C (half-precision conversions, for the f16 K/V cache) comes with AVX2 on every CPU that
+/// has both AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_fma() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -634,6 +684,7 @@ pub(crate) fn avx2_fma() -> bool {
         std::env::var_os("SPECINFER_NO_SIMD").is_none()
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
     })
 }
 
@@ -650,18 +701,18 @@ pub(crate) fn avx512() -> bool {
 }
 
 /// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX-512
-/// ([`Wide`]) or AVX2+FMA ([`Fused`]) when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
+/// ([`Wide`]) or AVX2+FMA+F16C ([`Fused`]) when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
 /// function of its own with those parameters, so the generic body is inlined into code that has
 /// the features from the start (unrolled and vectorised with them).
 macro_rules! dispatch {
     ($f:ident :: <A $(, $c:tt)*>($($arg:ident : $ty:ty = $val:expr),* $(,)?) $(-> $ret:ty)?) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx2,fma,f16c")]
             unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
                 $f::<$crate::lanes::Wide $(, $c)*>($($arg),*)
             }
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn fused($($arg: $ty),*) $(-> $ret)? {
                 $f::<$crate::lanes::Fused $(, $c)*>($($arg),*)
             }

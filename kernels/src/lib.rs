@@ -13,6 +13,6 @@ pub mod projection;
 pub mod quant;
 pub mod sampling;
 
-pub use attention::{tree_attention, AttentionShape};
+pub use attention::{tree_attention, AttentionShape, KvRows};
 pub use lanes::{rms_norm, swiglu};
 pub use quant::{matmul_many, F32Matrix, QuantFormat, QuantMatrix};

@@ -176,8 +176,10 @@ impl FeatureDrafter {
         self.body.cfg.d_model
     }
 
+    /// f32, as every drafter's (see `TreeScorer::new_cache` for `Llama`): the same numbers as
+    /// its ONNX export's.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(&self.body.cfg)
+        KvCache::with_precision(&self.body.cfg, crate::KvPrecision::F32)
     }
 
     /// The layer's input rows for tokens whose preceding features are `prev` (`[n, d]`).

@@ -20,10 +20,11 @@ mod tree_model;
 
 pub use config::{Arch, ModelConfig, RopeStyle};
 pub use feature::{FeatureDrafter, FEATURE_DRAFT_KIND};
-pub use kv::KvCache;
+pub use kv::{KvCache, KvPrecision};
 pub use llama::{Llama, SeqTree, WeightCost};
 pub use load::quantize_rows_u8;
 pub use logits::{DeviceRows, Logits, SampleWalk, WalkOutcome, Want};
+pub use specinfer_kernels::KvRows;
 pub use tokenizer::{chat_prompt, forget_oldest_exchanges, prompt_budget, ChatMessage, Tokenizer};
 pub use tree_model::TreeModel;
 

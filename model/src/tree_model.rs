@@ -5,7 +5,7 @@
 
 use specinfer_wire::TokenTree;
 
-use crate::{KvCache, Llama, Logits, ModelConfig, Result, SeqTree, Want};
+use crate::{KvCache, KvPrecision, Llama, Logits, ModelConfig, Result, SeqTree, Want};
 
 pub trait TreeModel: Send + Sync {
     /// One sequence's KV cache (in host or device memory).
@@ -82,10 +82,10 @@ impl TreeModel for Llama {
         cache.bytes()
     }
 
-    /// f32 K and V rows.
+    /// K and V rows in the precision of the caches `new_cache` makes.
     fn kv_position_bytes(&self) -> usize {
         let cfg = Llama::config(self);
-        2 * cfg.n_layers * cfg.kv_row() * 4
+        2 * cfg.n_layers * cfg.kv_row() * KvPrecision::default().bytes()
     }
 
     /// The CPU engine computes its head rows on the host anyway: argmax sequences get them all.

@@ -121,7 +121,8 @@ fn logits_of(gpu: &CudaLlama, cache: &mut CudaKvCache, tree: &TokenTree) -> Logi
 
 /// The CPU engine's logits of `tree` after `prompt`.
 fn on_the_cpu(cpu: &Llama, prompt: &[u32], tree: &TokenTree) -> Logits {
-    let mut kv = specinfer_model::KvCache::new(cpu.config());
+    let mut kv =
+        specinfer_model::KvCache::with_precision(cpu.config(), specinfer_model::KvPrecision::F32);
     cpu.prefill(&mut kv, prompt).unwrap();
     on_cpu(cpu, &mut kv, tree).unwrap()
 }

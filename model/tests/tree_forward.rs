@@ -179,9 +179,15 @@ fn a_packed_batch_equals_each_sequence_alone() {
     for (a, b) in caches.iter().zip(&selected_caches) {
         for layer in 0..m.config().n_layers {
             let ((ka, va), (kb, vb)) = (a.layer(layer), b.layer(layer));
+            let (ka, va, kb, vb) = (
+                ka.to_f32_vec(),
+                va.to_f32_vec(),
+                kb.to_f32_vec(),
+                vb.to_f32_vec(),
+            );
             assert_eq!((ka.len(), va.len()), (kb.len(), vb.len()));
             assert!(
-                max_diff(ka, kb) < TOL && max_diff(va, vb) < TOL,
+                max_diff(&ka, &kb) < TOL && max_diff(&va, &vb) < TOL,
                 "layer {layer} K/V"
             );
         }
@@ -272,4 +278,35 @@ fn extending_a_tree_level_by_level_equals_one_forward() {
             "node {i} differs between grown and one-shot forward"
         );
     }
+}
+
+/// The default f16 cache holds half the bytes of an f32 one, and its logits stay close to the
+/// f32 cache's (f16 keeps 11 significant bits of each K/V value); with f32 nothing is rounded.
+#[test]
+fn an_f16_cache_holds_half_the_bytes_of_f32_and_nearly_its_logits() {
+    use specinfer_model::KvPrecision;
+    let m = Llama::random(ModelConfig::tiny(Arch::Llama), 8, None).unwrap();
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 37 + 5) % 100).collect();
+    let tree = {
+        let mut t = TokenTree::root(7);
+        for i in 1..9u32 {
+            t.push(i / 2, (i * 13) % 100);
+        }
+        t
+    };
+    let logits = |precision| {
+        let mut cache = KvCache::with_precision(m.config(), precision);
+        m.prefill(&mut cache, &prompt).unwrap();
+        let out = m.forward(&mut [SeqTree::new(&mut cache, &tree)]).unwrap();
+        (out, cache.bytes(), cache.precision())
+    };
+    let (halves, half_bytes, p16) = logits(KvPrecision::default());
+    let (floats, float_bytes, p32) = logits(KvPrecision::F32);
+    assert_eq!((p16, p32), (KvPrecision::F16, KvPrecision::F32));
+    assert_eq!(2 * half_bytes, float_bytes);
+    let worst = (0..tree.len())
+        .map(|n| max_diff(halves[0].node(n), floats[0].node(n)))
+        .fold(0.0, f32::max);
+    assert!(worst > 0.0, "f16 rounding moved nothing: is the cache f16?");
+    assert!(worst < 0.05, "f16 cache moved logits by {worst}");
 }

@@ -15,7 +15,7 @@ use ort::environment::Environment;
 use ort::session::{Session, SessionInputValue};
 use ort::value::{PrimitiveTensorElementType, TensorRef};
 use specinfer_model::fetch::{self, FetchEvent};
-use specinfer_model::{KvCache, ModelError};
+use specinfer_model::{KvCache, KvRows, ModelError};
 use specinfer_wire::TokenTree;
 
 use specinfer_speculator::{FeatureScorer, TreeScorer};
@@ -249,7 +249,12 @@ impl OnnxModel {
             inputs.push(input("prev_features".into(), vec![n, d], p)?);
         }
         for l in 0..self.layers {
-            let (k, v) = cache.layer(l);
+            // Caches of this drafter are made by `new_cache`, in f32 as ONNX Runtime takes them.
+            let (KvRows::F32(k), KvRows::F32(v)) = cache.layer(l) else {
+                return Err(ort_err(
+                    "an ONNX drafter needs an f32 K/V cache (KvCache::with_shape)",
+                ));
+            };
             inputs.push(input(format!("past_k.{l}"), vec![past, self.kv_row], k)?);
             inputs.push(input(format!("past_v.{l}"), vec![past, self.kv_row], v)?);
         }

@@ -1,6 +1,6 @@
 //! Draft models behind one trait, so the speculator does not care what computes the logits.
 
-use specinfer_model::{KvCache, Llama, ModelError, SeqTree};
+use specinfer_model::{KvCache, KvPrecision, Llama, ModelError, SeqTree};
 use specinfer_wire::{Limits, TokenTree};
 
 /// A model that scores a growing token tree on top of the committed tokens.
@@ -92,8 +92,10 @@ pub trait TreeScorer: Sync {
 }
 
 impl TreeScorer for Llama {
+    /// f32: a drafter's cache is small, and in f32 the same drafter drafts the same trees on
+    /// this engine and on ONNX Runtime (which takes f32 caches).
     fn new_cache(&self) -> KvCache {
-        KvCache::new(self.config())
+        KvCache::with_precision(self.config(), KvPrecision::F32)
     }
 
     fn max_positions(&self) -> usize {

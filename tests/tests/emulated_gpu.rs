@@ -292,7 +292,10 @@ async fn sampled_first_tokens_through_the_device_walk_follow_the_llms_distributi
     let (server, remote) =
         service::start_loopback(Arc::new(model), API_KEY.into(), service_config()).unwrap();
     let prompt: Vec<u32> = vec![12, 40, 7, 99, 3, 64, 20, 5];
-    let mut kv = specinfer_model::KvCache::new(tiny().config());
+    let mut kv = specinfer_model::KvCache::with_precision(
+        tiny().config(),
+        specinfer_model::KvPrecision::F32,
+    );
     tiny().prefill(&mut kv, &prompt[..7]).unwrap();
     let root = tiny()
         .forward(&mut [specinfer_model::SeqTree::new(

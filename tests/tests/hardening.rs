@@ -88,7 +88,7 @@ async fn a_key_holds_at_most_its_quota_of_sessions_and_admission_counts_what_ses
 }
 
 fn per_token_kv(cfg: &ModelConfig) -> usize {
-    2 * cfg.n_layers * cfg.kv_row() * 4
+    2 * cfg.n_layers * cfg.kv_row() * specinfer_model::KvPrecision::default().bytes()
 }
 
 /// The LLM with a hook that sees the tree sizes of every forward on the engine thread, and may

@@ -11,7 +11,7 @@ use specinfer_wire::TokenTree;
 
 use super::device::Device;
 use super::{CudaKvCache, CudaLlama, CudaSeqTree, Precision};
-use crate::{KvCache, Llama, Logits, SeqTree, Want};
+use crate::{KvCache, KvPrecision, Llama, Logits, SeqTree, Want};
 
 /// The bound on |GPU logit - CPU logit| for f32 models.
 pub const EXACT: f32 = 1e-3;
@@ -146,7 +146,7 @@ pub fn exact_checks(
     drop(bf16);
     let prompt: Vec<u32> = (0..37).map(|_| rng.random_range(0..vocab)).collect();
     let cpu_prefilled = || -> Result<KvCache, String> {
-        let mut kv = KvCache::new(cpu.config());
+        let mut kv = KvCache::with_precision(cpu.config(), KvPrecision::F32);
         cpu.prefill(&mut kv, &prompt).map_err(err)?;
         Ok(kv)
     };
@@ -225,7 +225,7 @@ pub fn exact_checks(
     let mut trees = Vec::new();
     for &(len, nodes) in &shapes {
         let ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..vocab)).collect();
-        let mut kv = KvCache::new(cpu.config());
+        let mut kv = KvCache::with_precision(cpu.config(), KvPrecision::F32);
         cpu.prefill(&mut kv, &ids).map_err(err)?;
         cpu_caches.push(kv);
         let mut c = gpu.new_cache().map_err(err)?;
@@ -392,7 +392,7 @@ pub fn draft_tree(ssm: &Llama, committed: &[u32]) -> TokenTree {
     let mut tree = TokenTree::root(*committed.last().unwrap());
     let mut frontier = vec![0usize];
     for &k in &[1usize, 1, 3, 1] {
-        let mut kv = KvCache::new(ssm.config());
+        let mut kv = KvCache::with_precision(ssm.config(), KvPrecision::F32);
         ssm.prefill(&mut kv, &committed[..committed.len() - 1])
             .unwrap();
         let out = ssm

@@ -151,7 +151,7 @@ struct CommonArgs {
     /// Repetition penalty, as llama.cpp's: the verifier divides the logits of tokens among the
     /// latest --repeat-last-n by it (multiplies negative ones), so the output is distributed as
     /// the penalised LLM; 1 disables. Default when sampling with `generate` and `chat`: the
-    /// catalogue model's (1.05 for smollm2-135m, which sampled without one falls into loops now
+    /// catalogue model's (1.1 for smollm2-135m, which sampled without one falls into loops now
     /// and then; 1 for the Qwen coder, whose code repeats brackets and names); 1 for --greedy
     /// (the LLM's own argmax) and serve-openai.
     #[arg(long)]
