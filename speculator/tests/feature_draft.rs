@@ -2,7 +2,7 @@
 //! chain, each position reading the feature before it: the LLM's for committed positions, the
 //! drafter's own prediction for the parent inside the tree.
 
-use specinfer_model::{FeatureDrafter, KvCache};
+use specinfer_model::FeatureDrafter;
 use specinfer_speculator::{DraftModel, FeatureDraft};
 use specinfer_wire::TokenTree;
 
@@ -19,7 +19,8 @@ fn llm_features(n: usize) -> Vec<f32> {
 /// Logits and predicted feature of the last of `path` (tree tokens after the committed ones),
 /// computed one position at a time on a fresh cache.
 fn by_chain(m: &FeatureDrafter, committed: &[u32], known: &[f32], path: &[u32]) -> Vec<f32> {
-    let mut kv = KvCache::new(m.config());
+    // The drafter's own kind of cache (f32), as the draft session's.
+    let mut kv = m.new_cache();
     let n = committed.len();
     // Committed positions 1..n-1 (position 0 has no preceding feature), then the root.
     m.append(&mut kv, &committed[1..n - 1], &known[..(n - 2) * D])
