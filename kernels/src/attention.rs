@@ -71,8 +71,10 @@ fn rows_f32<'a, A: Arith>(
         KvRows::F32(c) => (c, first, stride),
         KvRows::F16(c) => {
             const AHEAD: usize = 8;
-            buf.clear();
-            buf.resize(count * len, 0.0);
+            // Grown once per task, not zeroed per chunk: every value is written below.
+            if buf.len() < count * len {
+                buf.resize(count * len, 0.0);
+            }
             for r in 0..count {
                 let ahead = c.as_ptr().wrapping_add(first + (r + AHEAD) * stride);
                 for line in (0..len).step_by(32) {
@@ -80,7 +82,7 @@ fn rows_f32<'a, A: Arith>(
                 }
                 A::widen(&c[first + r * stride..][..len], &mut buf[r * len..][..len]);
             }
-            (buf, 0, len)
+            (&buf[..count * len], 0, len)
         }
     }
 }

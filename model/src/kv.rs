@@ -55,7 +55,7 @@ struct Layers<E> {
     v: Vec<Vec<E>>,
 }
 
-impl<E: Copy + Default> Layers<E> {
+impl<E: Stored> Layers<E> {
     fn new(layers: usize) -> Self {
         Layers {
             k: vec![Vec::new(); layers],
@@ -94,6 +94,13 @@ impl<E: Copy + Default> Layers<E> {
         }
     }
 
+    /// Appends one layer's new K and V; returns the values that layer now holds.
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> usize {
+        E::extend_from_f32(&mut self.k[layer], k);
+        E::extend_from_f32(&mut self.v[layer], v);
+        self.k[layer].len()
+    }
+
     fn prefix(&self, len: usize) -> Self {
         let copy = |layers: &[Vec<E>]| layers.iter().map(|l| l[..len].to_vec()).collect();
         Layers {
@@ -103,11 +110,24 @@ impl<E: Copy + Default> Layers<E> {
     }
 }
 
-/// Appends f32 values in the plane's precision.
-fn append_f16(plane: &mut Vec<f16>, x: &[f32]) {
-    let at = plane.len();
-    plane.resize(at + x.len(), f16::ZERO);
-    plane[at..].convert_from_f32_slice(x);
+/// A value type a cache stores.
+trait Stored: Copy + Default {
+    /// Appends f32 values, rounded to this type.
+    fn extend_from_f32(plane: &mut Vec<Self>, x: &[f32]);
+}
+
+impl Stored for f16 {
+    fn extend_from_f32(plane: &mut Vec<f16>, x: &[f32]) {
+        let at = plane.len();
+        plane.resize(at + x.len(), f16::ZERO);
+        plane[at..].convert_from_f32_slice(x);
+    }
+}
+
+impl Stored for f32 {
+    fn extend_from_f32(plane: &mut Vec<f32>, x: &[f32]) {
+        plane.extend_from_slice(x);
+    }
 }
 
 /// Calls `$body` with `$l` bound to the cache's [`Layers`], whatever their precision.
@@ -213,20 +233,9 @@ impl KvCache {
     /// Appends the new nodes' K and V of one layer (`[n, kv_heads, head_dim]`), rounded to the
     /// cache's precision.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        let len = match &mut self.planes {
-            Planes::F16(l) => {
-                append_f16(&mut l.k[layer], k);
-                append_f16(&mut l.v[layer], v);
-                (l.k.len(), l.k[layer].len())
-            }
-            Planes::F32(l) => {
-                l.k[layer].extend_from_slice(k);
-                l.v[layer].extend_from_slice(v);
-                (l.k.len(), l.k[layer].len())
-            }
-        };
-        if layer == len.0 - 1 {
-            self.scratch = len.1 / self.kv_row - self.committed;
+        let (layers, held) = each!(&mut self.planes, |l| (l.k.len(), l.append(layer, k, v)));
+        if layer == layers - 1 {
+            self.scratch = held / self.kv_row - self.committed;
         }
     }
 
