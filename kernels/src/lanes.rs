@@ -582,14 +582,15 @@ mod fused {
         sum: |v| hsum8(v),
     }
 
-    /// [`super::quantize_lanes`] in intrinsics, one block of 32 at a time (the compilers
-    /// vectorised the lane code across blocks, with gathers).
+    /// [`super::quantize_lanes`] in intrinsics, 32 values at a time (the compilers vectorised
+    /// the lane code across blocks, with gathers).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    pub unsafe fn quantize_blocks(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
         use super::ROUND;
-        let blocks = x.len() / 32;
+        assert!(block.is_multiple_of(32), "blocks of 32 values");
+        let blocks = x.len() / block;
         assert!(
-            q.len() >= blocks * 32 && d.len() >= blocks,
+            q.len() >= blocks * block && d.len() >= blocks,
             "q or d too short"
         );
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
@@ -598,32 +599,35 @@ mod fused {
         // After the two packs a block's bytes sit in 4-byte groups ordered 0, 2, 4, 6, 1, 3, 5, 7.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (b, d) in d.iter_mut().enumerate().take(blocks) {
-            let p = x.as_ptr().add(32 * b);
-            let mut v = [_mm256_setzero_ps(); 4];
+            let p = x.as_ptr().add(block * b);
             let mut m = _mm256_setzero_ps();
-            for (c, v) in v.iter_mut().enumerate() {
-                *v = _mm256_loadu_ps(p.add(8 * c));
+            for c in 0..block / 8 {
                 // max(|x|, m): a NaN input loses to m, as f32::max does.
-                m = _mm256_max_ps(_mm256_and_ps(*v, abs), m);
+                m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs), m);
             }
             let mut lanes = [0f32; 8];
             _mm256_storeu_ps(lanes.as_mut_ptr(), m);
             let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
             *d = amax / 127.0;
             let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-            let mut ints = [_mm256_setzero_si256(); 4];
-            for (i, v) in ints.iter_mut().zip(v) {
-                let shifted = _mm256_add_ps(_mm256_mul_ps(v, id), round);
-                *i = _mm256_sub_epi32(_mm256_castps_si256(shifted), round_bits);
+            for k in 0..block / 32 {
+                let p = p.add(32 * k);
+                let mut ints = [_mm256_setzero_si256(); 4];
+                for (c, i) in ints.iter_mut().enumerate() {
+                    let v = _mm256_loadu_ps(p.add(8 * c));
+                    let shifted = _mm256_add_ps(_mm256_mul_ps(v, id), round);
+                    *i = _mm256_sub_epi32(_mm256_castps_si256(shifted), round_bits);
+                }
+                // |q| <= 127: the saturating packs never saturate.
+                let words = [
+                    _mm256_packs_epi32(ints[0], ints[1]),
+                    _mm256_packs_epi32(ints[2], ints[3]),
+                ];
+                let bytes = _mm256_packs_epi16(words[0], words[1]);
+                let bytes = _mm256_permutevar8x32_epi32(bytes, order);
+                let at = block * b + 32 * k;
+                _mm256_storeu_si256(q.as_mut_ptr().add(at) as *mut __m256i, bytes);
             }
-            // |q| <= 127: the saturating packs never saturate.
-            let words = [
-                _mm256_packs_epi32(ints[0], ints[1]),
-                _mm256_packs_epi32(ints[2], ints[3]),
-            ];
-            let bytes = _mm256_packs_epi16(words[0], words[1]);
-            let bytes = _mm256_permutevar8x32_epi32(bytes, order);
-            _mm256_storeu_si256(q.as_mut_ptr().add(32 * b) as *mut __m256i, bytes);
         }
     }
 
@@ -851,20 +855,20 @@ fn swiglu_lanes<A: Arith>(g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// Quantizes `x` to 8 bits per block of 32 (`d = max|x| / 127`, round to nearest even), writing
-/// `q` and one `d` per block.
+/// Quantizes `x` to 8 bits per block of `block` values (a multiple of 32; `d = max|x| / 127`,
+/// round to nearest even), writing `q` and one `d` per block.
 /// No multiply-add: every compilation gives the same bits.
-pub(crate) fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+pub(crate) fn quantize_blocks(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         // SAFETY: AVX2 and FMA were detected at run time.
-        return unsafe { fused::quantize_blocks(x, q, d) };
+        return unsafe { fused::quantize_blocks(x, block, q, d) };
     }
-    quantize_lanes(x, q, d)
+    quantize_lanes(x, block, q, d)
 }
 
-fn quantize_lanes(x: &[f32], q: &mut [i8], d: &mut [f32]) {
-    for ((x, q), d) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).zip(d) {
+fn quantize_lanes(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
+    for ((x, q), d) in x.chunks_exact(block).zip(q.chunks_exact_mut(block)).zip(d) {
         // Eight lanes of maxima (a single running max would be a serial chain).
         let mut lanes = [0f32; 8];
         for c in x.chunks_exact(8) {
@@ -1034,19 +1038,21 @@ mod tests {
         if !avx2_fma() {
             return;
         }
-        let mut x: Vec<f32> = (0..32 * 37)
+        let mut x: Vec<f32> = (0..256 * 37)
             .map(|i| ((i * 7919) % 1013) as f32 * 0.37 - 187.0)
             .collect();
         x[32..64].iter_mut().for_each(|v| *v = 0.0);
-        x[64..96].iter_mut().for_each(|v| *v *= 1e-30);
-        let (mut qa, mut da) = (vec![0i8; x.len()], vec![0f32; x.len() / 32]);
-        let (mut qb, mut db) = (qa.clone(), da.clone());
-        quantize_lanes(&x, &mut qa, &mut da);
-        // SAFETY: AVX2 and FMA were detected.
-        unsafe { fused::quantize_blocks(&x, &mut qb, &mut db) };
-        assert_eq!(qa, qb);
-        assert!(da.iter().zip(&db).all(|(a, b)| a.to_bits() == b.to_bits()));
-        assert!(qa.contains(&127) && qa.contains(&-127));
+        x[256..512].iter_mut().for_each(|v| *v *= 1e-30);
+        for block in [32, 256] {
+            let (mut qa, mut da) = (vec![0i8; x.len()], vec![0f32; x.len() / block]);
+            let (mut qb, mut db) = (qa.clone(), da.clone());
+            quantize_lanes(&x, block, &mut qa, &mut da);
+            // SAFETY: AVX2 and FMA were detected.
+            unsafe { fused::quantize_blocks(&x, block, &mut qb, &mut db) };
+            assert_eq!(qa, qb, "blocks of {block}");
+            assert!(da.iter().zip(&db).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(qa.contains(&127) && qa.contains(&-127));
+        }
     }
 
     /// The intrinsic softmax weights are the lane code's, bit for bit (tails included).

@@ -8,16 +8,26 @@
 //! integer per block, multiplied out in f32 in the kernel (exact: 11-bit by at most 8-bit
 //! mantissas), the same f32 value an f32 copy of the product would hold.
 //!
-//! Numeric contract (as llama.cpp's): activations are quantized to 8 bits per block of 32 values
-//! (`da = max|x| / 127`, round to nearest even). For each output (weight row, activation row):
+//! Numeric contract (as llama.cpp's): activations are quantized to 8 bits (`da = max|x| / 127`,
+//! round to nearest even) per block of 32 values for the 32-weight formats, per super-block of
+//! 256 for the K formats (GGML's Q8_K), so that a K format's integer block codes multiply in
+//! integers and only one float step is left per super-block. For each output (weight row,
+//! activation row):
 //! ```text
 //! acc = 0; off = 0
-//! for each weight block s:
+//! 32-weight formats, for each weight block s:
 //!     isum = sum over the block of (u - z) * qx          exact, in integers
 //!     acc  = fma(isum as f32, scale_s * da_s, acc)
 //!     off  = fma(min_s, da_s * sum(qx), off)              formats with a min only
+//! K formats, for each super-block S (blocks s of 32 or 16 weights, codes c_s and m_s):
+//!     isum = sum over s of c_s * sum over s of (u - z) * qx      exact, in integers
+//!     msum = sum over s of m_s * sum over s of qx                Q4_K only, exact
+//!     acc  = fma(isum as f32, d_S * da_S, acc)
+//!     off  = fma(msum as f32, dmin_S * da_S, off)
 //! result = acc + off
 //! ```
+//! (Integer sums stay below 2^31: at most 8 x 63 x 32 x 15 x 127 for Q4_K, 16 x 128 x 16 x 32 x
+//! 127 for Q6_K. The conversion to f32 rounds to nearest even alike on every path.)
 //! Only the exact integer part differs between code paths, so:
 //! * a row's result never depends on the other rows, the batch size or its position in the batch
 //!   (batch invariance: speculative output is bit-identical to incremental);
@@ -79,6 +89,15 @@ impl QuantFormat {
         match self {
             QuantFormat::Q4_K | QuantFormat::Q6_K => 256,
             _ => 32,
+        }
+    }
+
+    /// Activations sharing one 8-bit scale: a super-block for the K formats (see the module
+    /// documentation), else a block.
+    fn act_block(self) -> usize {
+        match self {
+            QuantFormat::Q4_K | QuantFormat::Q6_K => 256,
+            _ => BLOCK,
         }
     }
 
@@ -517,28 +536,33 @@ impl QuantMatrix {
         }
     }
 
-    /// Row `r`'s scale of block `s`, as the kernels compute it.
-    fn scale(&self, r: usize, s: usize) -> f32 {
-        let (g, lane) = (r / ROWS, r % ROWS);
-        let d =
-            f16(self.scales[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
-        let code = self.scale_codes.get((g * self.blocks + s) * ROWS + lane);
-        match (self.format, code) {
-            (QuantFormat::Q6_K, Some(&c)) => d * c as i8 as f32,
-            (_, Some(&c)) => d * c as f32,
-            (_, None) => d,
+    /// Row `r`'s stored scale (`mins`: its stored min) of block `s`'s super-block: the block's
+    /// own in the 32-weight formats, d (minus dmin) in the K formats.
+    fn stored(&self, r: usize, s: usize, mins: bool) -> f32 {
+        let at = (r / ROWS * self.supers + s / self.format.blocks_per_super()) * ROWS + r % ROWS;
+        f16(if mins { self.mins[at] } else { self.scales[at] })
+    }
+
+    /// Row `r`'s integer multiple of the stored scale (`mins`: of the stored min) for block
+    /// `s`: the K formats' block code (Q6_K's signed), 1 in the 32-weight formats.
+    fn code(&self, r: usize, s: usize, mins: bool) -> i32 {
+        let at = (r / ROWS * self.blocks + s) * ROWS + r % ROWS;
+        match (self.format, mins) {
+            (QuantFormat::Q4_K | QuantFormat::Q6_K, true) => self.min_codes[at] as i32,
+            (QuantFormat::Q6_K, false) => self.scale_codes[at] as i8 as i32,
+            (QuantFormat::Q4_K, false) => self.scale_codes[at] as i32,
+            _ => 1,
         }
+    }
+
+    /// Row `r`'s scale of block `s` (exact: an 11-bit mantissa times at most 8 bits).
+    fn scale(&self, r: usize, s: usize) -> f32 {
+        self.stored(r, s, false) * self.code(r, s, false) as f32
     }
 
     /// Row `r`'s min of block `s` (formats with a min).
     fn min(&self, r: usize, s: usize) -> f32 {
-        let (g, lane) = (r / ROWS, r % ROWS);
-        let m =
-            f16(self.mins[(g * self.supers + s / self.format.blocks_per_super()) * ROWS + lane]);
-        match self.min_codes.get((g * self.blocks + s) * ROWS + lane) {
-            Some(&c) => m * c as f32,
-            None => m,
-        }
+        self.stored(r, s, true) * self.code(r, s, true) as f32
     }
 
     /// Row `r` as f32, exactly as GGML dequantizes it (for references and embeddings).
@@ -617,26 +641,48 @@ impl QuantMatrix {
 
     /// The contract written out plainly; the SIMD paths must give the same bits.
     fn group_dots_portable(&self, g: usize, a: &QuantizedActs, dst: &mut [[f32; ROWS]]) {
-        let (e, z) = (self.format.elems(), self.format.zero_point());
+        let (e, z, per) = (
+            self.format.elems(),
+            self.format.zero_point(),
+            self.format.blocks_per_super(),
+        );
+        let mins = self.format.has_mins();
         for (i, d) in dst.iter_mut().enumerate() {
             for (lane, d) in d.iter_mut().enumerate() {
                 let r = g * ROWS + lane;
+                if r >= self.rows {
+                    // Padding rows: zero weights.
+                    *d = 0.0;
+                    continue;
+                }
                 let (mut acc, mut off) = (0f32, 0f32);
+                let (mut isum, mut msum) = (0i32, 0i32);
                 for s in 0..self.blocks {
                     let ab = i * self.blocks + s;
-                    let isum: i32 = if r < self.rows {
-                        (0..e)
-                            .map(|c| {
-                                (self.u(r, s * e + c) as i32 - z)
-                                    * a.q[i * self.cols + s * e + c] as i32
-                            })
-                            .sum()
-                    } else {
-                        0
-                    };
-                    acc = (isum as f32).mul_add(self.scale(r, s) * a.d[ab], acc);
-                    if self.format.has_mins() {
-                        off = self.min(r, s).mul_add(a.dsum[ab], off);
+                    let block: i32 = (0..e)
+                        .map(|c| {
+                            (self.u(r, s * e + c) as i32 - z)
+                                * a.q[i * self.cols + s * e + c] as i32
+                        })
+                        .sum();
+                    if per == 1 {
+                        acc = (block as f32).mul_add(self.scale(r, s) * a.d[ab], acc);
+                        if mins {
+                            off = self.min(r, s).mul_add(a.dsum[ab], off);
+                        }
+                        continue;
+                    }
+                    isum += self.code(r, s, false) * block;
+                    if mins {
+                        msum += self.code(r, s, true) * a.sums[ab];
+                    }
+                    if (s + 1) % per == 0 {
+                        let da = a.d[i * self.supers + s / per];
+                        acc = (isum as f32).mul_add(self.stored(r, s, false) * da, acc);
+                        if mins {
+                            off = (msum as f32).mul_add(self.stored(r, s, true) * da, off);
+                        }
+                        (isum, msum) = (0, 0);
                     }
                 }
                 *d = acc + off;
@@ -748,38 +794,60 @@ impl Path {
     }
 }
 
-/// Activation rows quantized to 8 bits per block of 32, with per-(row, weight block) terms.
+/// Activation rows quantized to 8 bits per block of the format's [`QuantFormat::act_block`],
+/// with per-(row, weight block) terms.
 struct QuantizedActs {
     /// `[n, cols]`.
     q: Vec<i8>,
-    /// `[n, blocks]`: the activation scale of each weight block.
+    /// The activation scales: `[n, blocks]` (one per weight block), or `[n, supers]` for the K
+    /// formats (one per super-block).
     d: Vec<f32>,
     /// `[n, blocks]`: `z * sum(q)` over the block (the zero point's integer correction).
     corr: Vec<i32>,
-    /// `[n, blocks]`: `d * sum(q)` over the block; formats with a min only.
+    /// `[n, blocks]`: `d * sum(q)` over the block; 32-weight formats with a min (Q4_1).
     dsum: Vec<f32>,
+    /// `[n, blocks]`: `sum(q)` over the block; K formats with a min (Q4_K).
+    sums: Vec<i32>,
 }
 
 impl QuantizedActs {
     fn new(x: &[f32], n: usize, m: &QuantMatrix) -> Self {
-        let (e, z) = (m.format.elems(), m.format.zero_point());
+        let (e, z, per) = (
+            m.format.elems(),
+            m.format.zero_point(),
+            m.format.blocks_per_super(),
+        );
+        let act = m.format.act_block();
         let mut q = vec![0i8; x.len()];
-        let mut d32 = vec![0f32; x.len() / BLOCK];
-        lanes::quantize_blocks(x, &mut q, &mut d32);
+        let mut d = vec![0f32; x.len() / act];
+        lanes::quantize_blocks(x, act, &mut q, &mut d);
         let blocks = n * m.blocks;
+        let (dsum, sums) = (
+            m.format.has_mins() && per == 1,
+            m.format.has_mins() && per > 1,
+        );
         let mut a = QuantizedActs {
-            d: Vec::with_capacity(blocks),
             corr: Vec::with_capacity(blocks),
-            dsum: Vec::with_capacity(if m.format.has_mins() { blocks } else { 0 }),
+            dsum: Vec::with_capacity(if dsum { blocks } else { 0 }),
+            sums: Vec::with_capacity(if sums { blocks } else { 0 }),
+            d: if per == 1 {
+                Vec::with_capacity(blocks)
+            } else {
+                d.clone()
+            },
             q,
         };
         for (b, qb) in a.q.chunks_exact(e).enumerate() {
-            let d = d32[b * e / BLOCK];
             let sum: i32 = qb.iter().map(|&v| v as i32).sum();
-            a.d.push(d);
             a.corr.push(z * sum);
-            if m.format.has_mins() {
-                a.dsum.push(d * sum as f32);
+            if per == 1 {
+                let d = d[b * e / act];
+                a.d.push(d);
+                if dsum {
+                    a.dsum.push(d * sum as f32);
+                }
+            } else if sums {
+                a.sums.push(sum);
             }
         }
         a
@@ -840,12 +908,9 @@ vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni,f16c", 16, __m512i, __m512, c
         _mm512_slli_epi16::<4>(_mm512_and_si512(v, _mm512_set1_epi8(((1 << bits) - 1) as i8)))
     }
     pub unsafe fn load_f16(p: *const u16) -> F { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const _)) }
-    pub unsafe fn load_u8_f(p: *const u8) -> F {
-        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const _)))
-    }
-    pub unsafe fn load_i8_f(p: *const u8) -> F {
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const _)))
-    }
+    pub unsafe fn load_u8_i(p: *const u8) -> I { _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const _)) }
+    pub unsafe fn load_i8_i(p: *const u8) -> I { _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const _)) }
+    pub unsafe fn mul_i(a: I, b: I) -> I { _mm512_mullo_epi32(a, b) }
     pub unsafe fn dot<const Q8: bool>(acc: I, w: I, x: I) -> I { _mm512_dpbusd_epi32(acc, w, x) }
     pub unsafe fn add_i(a: I, b: I) -> I { _mm512_add_epi32(a, b) }
     pub unsafe fn sub_i(a: I, b: I) -> I { _mm512_sub_epi32(a, b) }
@@ -883,12 +948,13 @@ macro_rules! ymm_ops {
                 _mm256_slli_epi16::<4>(_mm256_and_si256(v, _mm256_set1_epi8(((1 << bits) - 1) as i8)))
             }
             pub unsafe fn load_f16(p: *const u16) -> F { _mm256_cvtph_ps(_mm_loadu_si128(p as *const _)) }
-            pub unsafe fn load_u8_f(p: *const u8) -> F {
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const _)))
+            pub unsafe fn load_u8_i(p: *const u8) -> I {
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const _))
             }
-            pub unsafe fn load_i8_f(p: *const u8) -> F {
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const _)))
+            pub unsafe fn load_i8_i(p: *const u8) -> I {
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const _))
             }
+            pub unsafe fn mul_i(a: I, b: I) -> I { _mm256_mullo_epi32(a, b) }
             $dot
             pub unsafe fn add_i(a: I, b: I) -> I { _mm256_add_epi32(a, b) }
             pub unsafe fn sub_i(a: I, b: I) -> I { _mm256_sub_epi32(a, b) }
@@ -970,38 +1036,29 @@ macro_rules! x86_path {
                 }
             }
 
-            /// `set`'s scales of block `s`: the stored f16, times the block's code in the K
-            /// formats (`signed`: Q6_K's i8 codes).
+            /// `set`'s stored scales (`mins`: mins) of block `s`'s super-block.
             #[inline(always)]
-            unsafe fn block_scales<const PER: usize>(
+            unsafe fn stored<const PER: usize>(
                 m: &QuantMatrix,
                 set: &Set,
                 s: usize,
-                signed: bool,
+                mins: bool,
             ) -> F {
-                let d = load_f16(m.scales.as_ptr().add(set.sp + (s / PER) * ROWS));
-                if PER == 1 {
-                    return d;
-                }
-                let code = m.scale_codes.as_ptr().add(set.p + s * ROWS);
-                mul_f(
-                    d,
-                    if signed {
-                        load_i8_f(code)
-                    } else {
-                        load_u8_f(code)
-                    },
-                )
+                let v = if mins { &m.mins } else { &m.scales };
+                load_f16(v.as_ptr().add(set.sp + (s / PER) * ROWS))
             }
 
-            /// `set`'s mins of block `s`, likewise.
+            /// `set`'s integer codes of block `s` (K formats): of the scales (`signed`: Q6_K's
+            /// i8 ones), or (`mins`) of the mins.
             #[inline(always)]
-            unsafe fn block_mins<const PER: usize>(m: &QuantMatrix, set: &Set, s: usize) -> F {
-                let mn = load_f16(m.mins.as_ptr().add(set.sp + (s / PER) * ROWS));
-                if PER == 1 {
-                    return mn;
+            unsafe fn codes(m: &QuantMatrix, set: &Set, s: usize, mins: bool, signed: bool) -> I {
+                let v = if mins { &m.min_codes } else { &m.scale_codes };
+                let p = v.as_ptr().add(set.p + s * ROWS);
+                if signed {
+                    load_i8_i(p)
+                } else {
+                    load_u8_i(p)
                 }
-                mul_f(mn, load_u8_f(m.min_codes.as_ptr().add(set.p + s * ROWS)))
             }
 
             /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
@@ -1150,6 +1207,8 @@ macro_rules! x86_path {
                 let e = 4 * GROUPS;
                 let mut acc = [[zero_f(); S]; T];
                 let mut off = [[zero_f(); S]; T];
+                // K formats: the super-block's integer sum of code x block sum (see the contract).
+                let mut ksum = [[zero_i(); S]; T];
                 // With one activation row, two chains per set hide the dot instruction's
                 // latency (integer sums: exact in any order). Where a dot takes any byte, plain
                 // 4-bit formats use them for the low and the high nibbles, and the high ones go
@@ -1264,34 +1323,80 @@ macro_rules! x86_path {
                             }
                         }
                     }
-                    let sc: [F; S] =
-                        std::array::from_fn(|j| block_scales::<PER>(m, &sets[j], s, HIGH == 2));
+                    let block_sum = |t: usize, j: usize| {
+                        let [c0, c1] = isum[t][j];
+                        let v = add_i(c0, if split { shr4_i(c1) } else { c1 });
+                        // Formats with a min have zero point 0: nothing to subtract.
+                        if (Q8 && CENTERS_Q8) || MINS {
+                            v
+                        } else {
+                            sub_i(v, splat_i(*a.corr.get_unchecked((i0 + t) * m.blocks + s)))
+                        }
+                    };
+                    if PER == 1 {
+                        let sc: [F; S] =
+                            std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, false));
+                        for t in 0..T {
+                            let da = splat_f(*a.d.get_unchecked((i0 + t) * m.blocks + s));
+                            for j in 0..S {
+                                acc[t][j] =
+                                    fmadd_f(to_f(block_sum(t, j)), mul_f(sc[j], da), acc[t][j]);
+                            }
+                        }
+                        continue;
+                    }
+                    let code: [I; S] =
+                        std::array::from_fn(|j| codes(m, &sets[j], s, false, HIGH == 2));
                     for t in 0..T {
-                        let ab = (i0 + t) * m.blocks + s;
-                        let corr = splat_i(*a.corr.get_unchecked(ab));
-                        let da = splat_f(*a.d.get_unchecked(ab));
                         for j in 0..S {
-                            let [c0, c1] = isum[t][j];
-                            let v = add_i(c0, if split { shr4_i(c1) } else { c1 });
-                            // Formats with a min have zero point 0: nothing to subtract.
-                            let v = if (Q8 && CENTERS_Q8) || MINS {
-                                v
-                            } else {
-                                sub_i(v, corr)
-                            };
-                            acc[t][j] = fmadd_f(to_f(v), mul_f(sc[j], da), acc[t][j]);
+                            ksum[t][j] = add_i(ksum[t][j], mul_i(block_sum(t, j), code[j]));
+                        }
+                    }
+                    if (s + 1) % PER == 0 {
+                        let d: [F; S] =
+                            std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, false));
+                        for t in 0..T {
+                            let da = splat_f(*a.d.get_unchecked((i0 + t) * m.supers + s / PER));
+                            for j in 0..S {
+                                acc[t][j] = fmadd_f(to_f(ksum[t][j]), mul_f(d[j], da), acc[t][j]);
+                                ksum[t][j] = zero_i();
+                            }
                         }
                     }
                 }
                 // The mins' terms accumulate separately (as in the contract): a second pass keeps
                 // the integer loop's registers free.
-                if MINS {
+                if MINS && PER == 1 {
                     for s in 0..m.blocks {
-                        let mn: [F; S] = std::array::from_fn(|j| block_mins::<PER>(m, &sets[j], s));
+                        let mn: [F; S] =
+                            std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, true));
                         for t in 0..T {
                             let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
                             for j in 0..S {
                                 off[t][j] = fmadd_f(mn[j], ds, off[t][j]);
+                            }
+                        }
+                    }
+                } else if MINS {
+                    for s in 0..m.blocks {
+                        let code: [I; S] =
+                            std::array::from_fn(|j| codes(m, &sets[j], s, true, false));
+                        for t in 0..T {
+                            let qs = splat_i(*a.sums.get_unchecked((i0 + t) * m.blocks + s));
+                            for j in 0..S {
+                                ksum[t][j] = add_i(ksum[t][j], mul_i(code[j], qs));
+                            }
+                        }
+                        if (s + 1) % PER == 0 {
+                            let mn: [F; S] =
+                                std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, true));
+                            for t in 0..T {
+                                let da = splat_f(*a.d.get_unchecked((i0 + t) * m.supers + s / PER));
+                                for j in 0..S {
+                                    off[t][j] =
+                                        fmadd_f(to_f(ksum[t][j]), mul_f(mn[j], da), off[t][j]);
+                                    ksum[t][j] = zero_i();
+                                }
                             }
                         }
                     }
@@ -1508,16 +1613,16 @@ mod tests {
         let (mut out, mut bound) = (vec![0f64; n * m.rows], vec![0f64; n * m.rows]);
         for i in 0..n {
             let x = &x[i * m.cols..(i + 1) * m.cols];
+            let act = m.format.act_block();
             let step: Vec<f64> = x
-                .chunks(BLOCK)
+                .chunks(act)
                 .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 254.0)
                 .collect();
             for (r, wr) in w.iter().enumerate() {
                 let at = i * m.rows + r;
                 for (c, (&w, &x)) in wr.iter().zip(x).enumerate() {
                     out[at] += w as f64 * x as f64;
-                    bound[at] +=
-                        (w as f64).abs() * (step[c / BLOCK] * 1.001 + 1e-6 * x.abs() as f64);
+                    bound[at] += (w as f64).abs() * (step[c / act] * 1.001 + 1e-6 * x.abs() as f64);
                 }
             }
         }
