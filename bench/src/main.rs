@@ -69,6 +69,10 @@ struct Args {
     engine_contexts: Vec<usize>,
     #[arg(long, hide = true, default_value_t = 5)]
     engine_reps: usize,
+    /// Internal: decode greedily on this GGUF as llama-bench's tg32 does and print tokens/s
+    /// (the engine section's alternating decode runs).
+    #[arg(long, hide = true)]
+    engine_decode: Option<PathBuf>,
     /// The catalogue LLMs the local section measures (comma-separated names, as `specinfer
     /// --model` takes them); default: all.
     #[arg(long, value_delimiter = ',')]
@@ -316,6 +320,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     if let Some(gguf) = &args.engine_curve {
         return sections::engine::child(gguf, &args.engine_contexts, args.engine_reps);
+    }
+    if let Some(gguf) = &args.engine_decode {
+        return sections::engine::decode_child(gguf);
     }
     let t0 = Instant::now();
     std::fs::create_dir_all(&args.out)?;

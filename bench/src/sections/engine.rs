@@ -9,6 +9,12 @@
 //! multiply-add peak, measured on the same threads, the decode floor they imply (weight bytes
 //! per token / bandwidth) and the node count from which a forward must grow (where the
 //! multiply-adds of the extra nodes outlast the weight read).
+//!
+//! The headline ratio, plain decoding against llama.cpp's, is measured in alternating rounds:
+//! each round runs llama.cpp's tg32 once and our greedy decoding of 32 tokens once on each path
+//! (the order rotating from round to round), so that both sides see the same minutes of a shared
+//! host whose memory bandwidth moves by a third between minutes; the report gives each round's
+//! ratio and their median.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,7 +22,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use specinfer_model::{fetch, load_gguf, KvCache};
+use specinfer_model::{fetch, load_gguf, KvCache, SeqTree};
+use specinfer_wire::TokenTree;
 
 use crate::common::Section;
 use crate::forward_cost::{bushy_tree, median_forward_seconds};
@@ -100,6 +107,104 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
         json!({"weight_bytes": weights.bytes, "macs": weights.macs, "forwards": forwards})
     );
     Ok(())
+}
+
+/// Tokens each side decodes per round: llama-bench's tg32.
+const DECODE_TOKENS: usize = 32;
+
+/// The alternating runs' child: greedy plain decoding of [`DECODE_TOKENS`] tokens after a short
+/// prompt, as llama-bench's tg32 does (one warm-up run, then the timed one); prints tokens/s.
+pub fn decode_child(gguf: &Path) -> Result<()> {
+    let (llm, tok) = load_gguf(gguf)?;
+    let prompt = tok.encode("def fibonacci(n):\n")?;
+    let mut rate = 0.0;
+    for _ in 0..2 {
+        let mut cache = KvCache::new(llm.config());
+        let last = llm.prefill(&mut cache, &prompt)?;
+        // The first of equal maxima, as the model's own argmax.
+        let mut next = (0..last.len()).fold(0, |b, i| if last[i] > last[b] { i } else { b }) as u32;
+        let t = Instant::now();
+        for _ in 0..DECODE_TOKENS {
+            let tree = TokenTree::root(next);
+            let logits = llm.forward(&mut [SeqTree::new(&mut cache, &tree)])?;
+            cache.commit_scratch();
+            next = logits[0].argmax(0);
+        }
+        rate = DECODE_TOKENS as f64 / t.elapsed().as_secs_f64();
+    }
+    println!("{rate}");
+    Ok(())
+}
+
+/// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s).
+#[derive(Clone, Copy)]
+struct DecodeRound {
+    llama: f64,
+    native: f64,
+    avx2: f64,
+}
+
+/// `rounds` alternating rounds of plain decoding on `gguf` (see the module documentation).
+fn decode_rounds(
+    exe: &Path,
+    gguf: &Path,
+    cores: &str,
+    threads: usize,
+    rounds: usize,
+) -> Result<Vec<DecodeRound>> {
+    let ours = |env: &[(&str, &str)]| -> Result<f64> {
+        let out = Command::new("taskset")
+            .args(["-c", cores])
+            .arg(std::env::current_exe()?)
+            .arg("--engine-decode")
+            .arg(gguf)
+            .envs(env.iter().copied())
+            .stderr(Stdio::inherit())
+            .output()
+            .context("starting the decode child process")?;
+        if !out.status.success() {
+            bail!("the decode child process failed on {}", gguf.display());
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+    };
+    let mut out = Vec::with_capacity(rounds);
+    for r in 0..rounds {
+        let mut round = DecodeRound {
+            llama: 0.0,
+            native: 0.0,
+            avx2: 0.0,
+        };
+        for k in 0..3 {
+            match (r + k) % 3 {
+                0 => {
+                    let tg = llama_cpp_rates(exe, gguf, cores, threads, 1, "0", "32")?;
+                    round.llama = tg.first().context("llama-bench gave no tg32")?.2;
+                }
+                1 => round.native = ours(&[])?,
+                _ => round.avx2 = ours(&[("SPECINFER_NO_AVX512", "1")])?,
+            }
+        }
+        eprintln!(
+            "[engine] decode round {}: llama.cpp {:.1}, ours {:.1} (AVX2 {:.1}) tokens/s",
+            r + 1,
+            round.llama,
+            round.native,
+            round.avx2
+        );
+        out.push(round);
+    }
+    Ok(out)
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 /// Runs [`child`] in a process of its own on `cores`, with `env` set.
@@ -422,6 +527,17 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
         peak_avx2 / 1e9,
     );
+    let rounds = if quick { 3 } else { 5 };
+    let mut decode_md = format!(
+        "\n### Plain decoding against llama.cpp, in alternating rounds\n\n\
+         {rounds} rounds per model; each runs llama.cpp's `llama-bench -n 32 -r 1` (tg32: a warm-up, then 32 \
+         tokens from an empty context) and our greedy decoding of 32 tokens after a 6-token prompt (a warm-up, \
+         then the timed run, in a child process: `--engine-decode`) on the native and the AVX2 path, the order \
+         rotating each round, all pinned to cores {cores}. The ratio is taken within each round; the \
+         median of the rounds' ratios is the figure to quote.\n\n\
+         | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios |\n\
+         |---|---|---|---|---|---|---|---|\n"
+    );
     let mut curves_md = String::new();
     let mut json_models = Vec::new();
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
@@ -445,6 +561,28 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
                 .map(|r| r.2)
         };
         let tg = rate(0, 32).context("llama-bench gave no tg32")?;
+        let decode = decode_rounds(&exe, &gguf, &cores, threads, rounds)?;
+        let ratios = |f: fn(&DecodeRound) -> f64| -> Vec<f64> {
+            decode.iter().map(|r| f(r) / r.llama).collect()
+        };
+        let (native_ratios, avx2_ratios) = (ratios(|r| r.native), ratios(|r| r.avx2));
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        decode_md += &format!(
+            "| {} | {:.1} | {:.1} | **{:.2}x** | {} | {:.1} | **{:.2}x** | {} |\n",
+            model.name,
+            median(decode.iter().map(|r| r.llama).collect()),
+            median(decode.iter().map(|r| r.native).collect()),
+            median(native_ratios.clone()),
+            list(&native_ratios),
+            median(decode.iter().map(|r| r.avx2).collect()),
+            median(avx2_ratios.clone()),
+            list(&avx2_ratios),
+        );
         let (one, one_avx2) = (
             native.seconds(128, 1).context("no 1-node forward")?,
             avx2.seconds(128, 1).context("no 1-node forward")?,
@@ -505,6 +643,8 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "model": model.name,
             "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
             "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
+            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2})).collect::<Vec<_>>(),
+            "decode_ratio_median": {"native": median(native_ratios.clone()), "avx2": median(avx2_ratios.clone())},
             "weight_bytes_per_token": native.weight_bytes,
             "macs_per_token": native.macs,
             "read_bandwidth_bytes_per_s": bandwidth,
@@ -526,6 +666,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         "cost(n) / cost(1)",
         &named,
     )?;
+    md += &decode_md;
     md += &curves_md;
     md += "\n![cost against nodes](engine.svg)\n\n";
     Ok(Section {
