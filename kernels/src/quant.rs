@@ -1090,6 +1090,30 @@ macro_rules! x86_path {
                 }
             }
 
+            /// At the end of the super-block of block `s` (K formats): `into += ksum x (stored
+            /// scale (`mins`: min) x the activations' scale)`, and the integer sums restart.
+            #[allow(clippy::too_many_arguments)]
+            #[inline(always)]
+            unsafe fn fold_super<const T: usize, const S: usize, const PER: usize>(
+                m: &QuantMatrix,
+                sets: &[Set; S],
+                a: &QuantizedActs,
+                i0: usize,
+                s: usize,
+                mins: bool,
+                ksum: &mut [[I; S]; T],
+                into: &mut [[F; S]; T],
+            ) {
+                let stored: [F; S] = std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, mins));
+                for t in 0..T {
+                    let da = splat_f(*a.d.get_unchecked((i0 + t) * m.supers + s / PER));
+                    for j in 0..S {
+                        into[t][j] = fmadd_f(to_f(ksum[t][j]), mul_f(stored[j], da), into[t][j]);
+                        ksum[t][j] = zero_i();
+                    }
+                }
+            }
+
             /// A register-wide set of rows: half `half` of row group `g`, results into `dst`
             /// (`[activation row]`).
             #[derive(Clone, Copy)]
@@ -1382,15 +1406,7 @@ macro_rules! x86_path {
                         }
                     }
                     if (s + 1) % PER == 0 {
-                        let d: [F; S] =
-                            std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, false));
-                        for t in 0..T {
-                            let da = splat_f(*a.d.get_unchecked((i0 + t) * m.supers + s / PER));
-                            for j in 0..S {
-                                acc[t][j] = fmadd_f(to_f(ksum[t][j]), mul_f(d[j], da), acc[t][j]);
-                                ksum[t][j] = zero_i();
-                            }
-                        }
+                        fold_super::<T, S, PER>(m, &sets, a, i0, s, false, &mut ksum, &mut acc);
                     }
                 }
                 // The mins' terms accumulate separately (as in the contract): a second pass keeps
@@ -1417,16 +1433,7 @@ macro_rules! x86_path {
                             }
                         }
                         if (s + 1) % PER == 0 {
-                            let mn: [F; S] =
-                                std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, true));
-                            for t in 0..T {
-                                let da = splat_f(*a.d.get_unchecked((i0 + t) * m.supers + s / PER));
-                                for j in 0..S {
-                                    off[t][j] =
-                                        fmadd_f(to_f(ksum[t][j]), mul_f(mn[j], da), off[t][j]);
-                                    ksum[t][j] = zero_i();
-                                }
-                            }
+                            fold_super::<T, S, PER>(m, &sets, a, i0, s, true, &mut ksum, &mut off);
                         }
                     }
                 }

@@ -153,19 +153,8 @@ fn decode_rounds(
     rounds: usize,
 ) -> Result<Vec<DecodeRound>> {
     let ours = |env: &[(&str, &str)]| -> Result<f64> {
-        let out = Command::new("taskset")
-            .args(["-c", cores])
-            .arg(std::env::current_exe()?)
-            .arg("--engine-decode")
-            .arg(gguf)
-            .envs(env.iter().copied())
-            .stderr(Stdio::inherit())
-            .output()
-            .context("starting the decode child process")?;
-        if !out.status.success() {
-            bail!("the decode child process failed on {}", gguf.display());
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).trim().parse()?)
+        let gguf = gguf.as_os_str().to_string_lossy();
+        Ok(child_output(cores, env, &["--engine-decode", &gguf])?.parse()?)
     };
     let mut out = Vec::with_capacity(rounds);
     for r in 0..rounds {
@@ -215,26 +204,34 @@ fn our_curve(
     contexts: &str,
     reps: usize,
 ) -> Result<Curve> {
+    let gguf = gguf.as_os_str().to_string_lossy();
+    let reps = reps.to_string();
+    let args = [
+        "--engine-curve",
+        &gguf,
+        "--engine-contexts",
+        contexts,
+        "--engine-reps",
+        &reps,
+    ];
+    Curve::from_json(&serde_json::from_str(&child_output(cores, env, &args)?)?)
+}
+
+/// This program run again with `args` (one of its hidden child modes) on `cores`, with `env`
+/// set: its standard output, trimmed.
+fn child_output(cores: &str, env: &[(&str, &str)], args: &[&str]) -> Result<String> {
     let out = Command::new("taskset")
         .args(["-c", cores])
         .arg(std::env::current_exe()?)
-        .arg("--engine-curve")
-        .arg(gguf)
-        .args([
-            "--engine-contexts",
-            contexts,
-            "--engine-reps",
-            &reps.to_string(),
-        ])
+        .args(args)
         .envs(env.iter().copied())
         .stderr(Stdio::inherit())
         .output()
-        .context("starting the engine's child process")?;
+        .with_context(|| format!("starting the child process {args:?}"))?;
     if !out.status.success() {
-        bail!("the engine's child process failed on {}", gguf.display());
+        bail!("the child process {args:?} failed");
     }
-    let line = String::from_utf8_lossy(&out.stdout);
-    Curve::from_json(&serde_json::from_str(line.trim())?)
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// `llama-bench`, built once under `cache` from the pinned sdist (about 8 minutes on 2 cores),
