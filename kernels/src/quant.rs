@@ -866,10 +866,12 @@ impl QuantizedActs {
             corr: Vec::with_capacity(blocks),
             dsum: Vec::with_capacity(if dsum { blocks } else { 0 }),
             sums: Vec::with_capacity(if sums { blocks } else { 0 }),
+            // The K formats keep the quantizer's scales as they are; the others get one per
+            // weight block, below.
             d: if per == 1 {
                 Vec::with_capacity(blocks)
             } else {
-                d.clone()
+                std::mem::take(&mut d)
             },
             q,
         };

@@ -528,7 +528,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
     let mut decode_md = format!(
         "\n### Plain decoding against llama.cpp, in alternating rounds\n\n\
          {rounds} rounds per model; each runs llama.cpp's `llama-bench -n 32 -r 1` (tg32: a warm-up, then 32 \
-         tokens from an empty context) and our greedy decoding of 32 tokens after a 6-token prompt (a warm-up, \
+         tokens from an empty context) and our greedy decoding of 32 tokens after the one-line prompt `def fibonacci(n):` (a warm-up, \
          then the timed run, in a child process: `--engine-decode`) on the native and the AVX2 path, the order \
          rotating each round, all pinned to cores {cores}. The ratio is taken within each round; the \
          median of the rounds' ratios is the figure to quote.\n\n\
