@@ -15,9 +15,8 @@
 
 use std::borrow::Cow;
 
-use rayon::prelude::*;
-
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
+use crate::team;
 
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,7 +200,7 @@ pub fn tree_attention(
     const POSITIONS: usize = 64;
     let chunks = past.div_ceil(POSITIONS);
     let scores_ptr = SyncPtr(scores.as_mut_ptr());
-    (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
+    team::for_each(n_kv_heads * chunks, |t| {
         let (kh, c) = (t / chunks, t % chunks);
         let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
         dispatch!(prefix_scores::<A>(
@@ -213,19 +212,23 @@ pub fn tree_attention(
     });
 
     // 2. Each row's tree scores and softmax weights.
-    let mut rows: Vec<&mut [f32]> = Vec::with_capacity(n * n_heads);
-    let mut rest = &mut scores[..];
-    for w in offsets.windows(2) {
-        let (row, tail) = rest.split_at_mut(w[1] - w[0]);
-        rows.push(row);
-        rest = tail;
-    }
     let mut inv_sums = vec![0f32; n * n_heads];
-    rows.par_iter_mut()
-        .zip(inv_sums.par_iter_mut())
-        .enumerate()
-        .for_each(|(r, (row, inv))| *inv = dispatch!(softmax_row::<A>(a: &Attention = &a, r: usize = r, row: &mut [f32] = row) -> f32));
-    drop(rows);
+    let inv_ptr = &SyncPtr(inv_sums.as_mut_ptr());
+    let scores_at = &scores_ptr;
+    team::for_each(n * n_heads, |r| {
+        // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`; each task
+        // is one row.
+        let (row, inv) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(
+                    scores_at.0.add(offsets[r]),
+                    offsets[r + 1] - offsets[r],
+                ),
+                &mut *inv_ptr.0.add(r),
+            )
+        };
+        *inv = dispatch!(softmax_row::<A>(a: &Attention = &a, r: usize = r, row: &mut [f32] = row) -> f32);
+    });
 
     // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
     //    every node and head, and each output keeps its accumulators in registers.
@@ -239,7 +242,7 @@ pub fn tree_attention(
         ($($d:literal)*) => {
             $(if head_dim.is_multiple_of($d) {
                 let chunks = head_dim / $d;
-                (0..n_kv_heads * chunks).into_par_iter().for_each(|t| {
+                team::for_each(n_kv_heads * chunks, |t| {
                     let (kh, d0) = (t / chunks, (t % chunks) * $d);
                     dispatch!(weighted_values::<A, $d>(
                         a: &Attention = &a,

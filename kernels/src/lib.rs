@@ -1,8 +1,9 @@
 //! Compute kernels shared by the verifier's engine, the native SSM and training.
 //!
 //! Plain slices in, plain slices out, no tensor framework: the layouts are the ones the CUDA
-//! kernels (feature `cuda`) use. Work is spread over rayon's global pool (the one pool of the
-//! process); in WebAssembly without threads rayon runs it on the calling thread.
+//! kernels (feature `cuda`) use. A call's work is spread over as many threads as rayon's current
+//! pool has: the caller and the compute team's helpers (`team`), or rayon's workers where the team
+//! is led by another caller; in WebAssembly without threads it runs on the calling thread.
 
 mod attention;
 #[cfg(feature = "cuda")]
@@ -12,6 +13,7 @@ mod lanes;
 pub mod projection;
 pub mod quant;
 pub mod sampling;
+mod team;
 
 pub use attention::{tree_attention, AttentionShape, KvRows};
 pub use lanes::{rms_norm, swiglu};

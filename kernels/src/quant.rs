@@ -45,6 +45,7 @@
 use rayon::prelude::*;
 
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
+use crate::team;
 
 /// GGML formats this kernel handles (GGML's names).
 #[allow(non_camel_case_types)]
@@ -759,8 +760,8 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         }
         start += bytes(t);
     }
-    runs.into_par_iter().for_each(|run| {
-        for &(k, c) in &tasks[run] {
+    team::for_each(runs.len(), |r| {
+        for &(k, c) in &tasks[runs[r].clone()] {
             mats[k].chunk(c, acts[k], path, n, &outs[k]);
         }
     });
