@@ -845,6 +845,10 @@ struct QuantizedActs {
     dsum: Vec<f32>,
     /// `[n, blocks]`: `sum(q)` over the block; K formats with a min (Q4_K).
     sums: Vec<i32>,
+    /// `[n, blocks / 2]`, K formats: `sum(q)` over blocks `2k` and `2k + 1` as the low and high
+    /// i16 of one word (at most 32 x 127 each), for the AVX2 path's pairwise products with two
+    /// blocks' codes (`vpmaddwd`).
+    pair_sums: Vec<i32>,
 }
 
 impl QuantizedActs {
@@ -867,6 +871,7 @@ impl QuantizedActs {
             corr: Vec::with_capacity(blocks),
             dsum: Vec::with_capacity(if dsum { blocks } else { 0 }),
             sums: Vec::with_capacity(if sums { blocks } else { 0 }),
+            pair_sums: Vec::with_capacity(if per > 1 { blocks / 2 } else { 0 }),
             // The K formats keep the quantizer's scales as they are; the others get one per
             // weight block, below.
             d: if per == 1 {
@@ -887,6 +892,13 @@ impl QuantizedActs {
                 }
             } else if sums {
                 a.sums.push(sum);
+            }
+            if per > 1 {
+                if b % 2 == 0 {
+                    a.pair_sums.push(sum & 0xffff);
+                } else {
+                    *a.pair_sums.last_mut().expect("pushed at the even block") |= sum << 16;
+                }
             }
         }
         a
@@ -942,6 +954,13 @@ vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni,f16c", 16, __m512i, __m512, c
     pub unsafe fn pairs16(w: I, x: I) -> I { _mm512_maddubs_epi16(w, x) }
     pub unsafe fn add_i16(a: I, b: I) -> I { _mm512_add_epi16(a, b) }
     pub unsafe fn widen16(v: I) -> I { _mm512_madd_epi16(v, _mm512_set1_epi16(1)) }
+    pub unsafe fn madd16(a: I, b: I) -> I { _mm512_madd_epi16(a, b) }
+    pub unsafe fn load_code_pairs(p: *const u8, q: *const u8) -> I {
+        let (a, b) = (_mm_loadu_si128(p as *const _), _mm_loadu_si128(q as *const _));
+        let lo = _mm_unpacklo_epi8(a, b);
+        let hi = _mm_unpackhi_epi8(a, b);
+        _mm512_cvtepi8_epi16(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
+    }
     pub unsafe fn high_plane(plane: I, shift: i32, bits: i32) -> I {
         let v = _mm512_srl_epi16(plane, _mm_cvtsi32_si128(shift));
         _mm512_slli_epi16::<4>(_mm512_and_si512(v, _mm512_set1_epi8(((1 << bits) - 1) as i8)))
@@ -982,6 +1001,11 @@ macro_rules! ymm_ops {
             pub unsafe fn pairs16(w: I, x: I) -> I { _mm256_maddubs_epi16(w, x) }
             pub unsafe fn add_i16(a: I, b: I) -> I { _mm256_add_epi16(a, b) }
             pub unsafe fn widen16(v: I) -> I { _mm256_madd_epi16(v, _mm256_set1_epi16(1)) }
+            pub unsafe fn madd16(a: I, b: I) -> I { _mm256_madd_epi16(a, b) }
+            pub unsafe fn load_code_pairs(p: *const u8, q: *const u8) -> I {
+                let (a, b) = (_mm_loadl_epi64(p as *const _), _mm_loadl_epi64(q as *const _));
+                _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b))
+            }
             pub unsafe fn high_plane(plane: I, shift: i32, bits: i32) -> I {
                 let v = _mm256_srl_epi16(plane, _mm_cvtsi32_si128(shift));
                 _mm256_slli_epi16::<4>(_mm256_and_si256(v, _mm256_set1_epi8(((1 << bits) - 1) as i8)))
@@ -1098,6 +1122,27 @@ macro_rules! x86_path {
                 } else {
                     load_u8_i(p)
                 }
+            }
+
+            /// `set`'s codes of blocks `s0` and `s1` (scales, or `mins`), as the low and the
+            /// high i16 of each row's lane (both at most 7 bits and a sign).
+            #[inline(always)]
+            unsafe fn code_pairs(
+                m: &QuantMatrix,
+                set: &Set,
+                s0: usize,
+                s1: usize,
+                mins: bool,
+            ) -> I {
+                let v = if mins { &m.min_codes } else { &m.scale_codes };
+                let p = v.as_ptr().add(set.p);
+                load_code_pairs(p.add(s0 * ROWS), p.add(s1 * ROWS))
+            }
+
+            /// Activation row `i`'s sums of blocks `s - 1` and `s` (`s` odd), as i16 pairs.
+            #[inline(always)]
+            unsafe fn pair_sum(a: &QuantizedActs, m: &QuantMatrix, i: usize, s: usize) -> i32 {
+                *a.pair_sums.get_unchecked(i * (m.blocks / 2) + s / 2)
             }
 
             /// At the end of the super-block of block `s` (K formats): `into += ksum x (stored
@@ -1232,7 +1277,14 @@ macro_rules! x86_path {
                 // Up to MAX_T activation rows per pass (twice that over one set of 256-bit
                 // lanes) keep every accumulator in a register.
                 let max_t = if S == 1 && LANES != ROWS {
-                    2 * MAX_T
+                    // The AVX2 path's K formats keep no block sums (see `tile`): one register
+                    // less per row, and 8 rows (a tree of 8 nodes) in one pass, so that the
+                    // weights' unpacking is done once for all of them.
+                    if !ANY_BYTE && PER > 1 {
+                        8
+                    } else {
+                        2 * MAX_T
+                    }
                 } else {
                     MAX_T
                 };
@@ -1243,7 +1295,9 @@ macro_rules! x86_path {
                         3 => tile::<3, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                         4 => tile::<4, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                         5 => tile::<5, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
-                        _ => tile::<6, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        6 => tile::<6, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        7 => tile::<7, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
+                        _ => tile::<8, S, GROUPS, NIB, MINS, Q8, HIGH, PER>(m, sets, a, i, n),
                     };
                 }
             }
@@ -1284,6 +1338,11 @@ macro_rules! x86_path {
                 // three): at most 2 x 15 x 127 per pair and group for 4-bit values, so 8 groups
                 // stay below 32767; 4 for 5-bit values, 2 for 6-bit ones. Exact, as before.
                 let narrow = !ANY_BYTE && !Q8;
+                // There the K formats multiply each block's codes into the 16-bit pair sums as
+                // they widen them (`vpmaddwd` by the code instead of by 1), and the zero point's
+                // correction (Q6_K) and the mins' terms (Q4_K) come from two blocks' codes and
+                // activation sums at once: no per-block sum, no 32-bit multiply. Exact, as before.
+                let coded = narrow && PER > 1;
                 let per16 = match HIGH {
                     0 => 8,
                     1 => 4,
@@ -1345,6 +1404,13 @@ macro_rules! x86_path {
                         }
                     });
                     let mut p16 = [[zero_i(); S]; T];
+                    let code16: [I; S] = std::array::from_fn(|j| {
+                        if coded {
+                            code_pairs(m, &sets[j], s, s, false)
+                        } else {
+                            zero_i()
+                        }
+                    });
                     for k in 0..GROUPS {
                         let wk: [I; S] = std::array::from_fn(|j| {
                             let w = sets[j].w.add(s * pb);
@@ -1374,8 +1440,13 @@ macro_rules! x86_path {
                                 if narrow {
                                     p16[t][j] = add_i16(p16[t][j], pairs16(wk[j], xk));
                                     if (k + 1) % per16 == 0 || k + 1 == GROUPS {
-                                        let c = &mut isum[t][j][0];
-                                        *c = add_i(*c, widen16(p16[t][j]));
+                                        if coded {
+                                            let c = &mut ksum[t][j];
+                                            *c = add_i(*c, madd16(p16[t][j], code16[j]));
+                                        } else {
+                                            let c = &mut isum[t][j][0];
+                                            *c = add_i(*c, widen16(p16[t][j]));
+                                        }
                                         p16[t][j] = zero_i();
                                     }
                                     continue;
@@ -1408,11 +1479,27 @@ macro_rules! x86_path {
                         }
                         continue;
                     }
-                    let code: [I; S] =
-                        std::array::from_fn(|j| codes(m, &sets[j], s, false, HIGH == 2));
-                    for t in 0..T {
-                        for j in 0..S {
-                            ksum[t][j] = add_i(ksum[t][j], mul_i(block_sum(t, j), code[j]));
+                    if coded {
+                        // Q6_K's zero point: minus z x code x sum(q), two blocks at a time.
+                        if !MINS && s % 2 == 1 {
+                            let pairs: [I; S] =
+                                std::array::from_fn(|j| code_pairs(m, &sets[j], s - 1, s, false));
+                            let z = splat_i(m.format.zero_point());
+                            for t in 0..T {
+                                let q = splat_i(pair_sum(a, m, i0 + t, s));
+                                for j in 0..S {
+                                    let c = mul_i(madd16(pairs[j], q), z);
+                                    ksum[t][j] = sub_i(ksum[t][j], c);
+                                }
+                            }
+                        }
+                    } else {
+                        let code: [I; S] =
+                            std::array::from_fn(|j| codes(m, &sets[j], s, false, HIGH == 2));
+                        for t in 0..T {
+                            for j in 0..S {
+                                ksum[t][j] = add_i(ksum[t][j], mul_i(block_sum(t, j), code[j]));
+                            }
                         }
                     }
                     if (s + 1) % PER == 0 {
@@ -1430,6 +1517,20 @@ macro_rules! x86_path {
                             for j in 0..S {
                                 off[t][j] = fmadd_f(mn[j], ds, off[t][j]);
                             }
+                        }
+                    }
+                } else if MINS && coded {
+                    for s in (1..m.blocks).step_by(2) {
+                        let pairs: [I; S] =
+                            std::array::from_fn(|j| code_pairs(m, &sets[j], s - 1, s, true));
+                        for t in 0..T {
+                            let q = splat_i(pair_sum(a, m, i0 + t, s));
+                            for j in 0..S {
+                                ksum[t][j] = add_i(ksum[t][j], madd16(pairs[j], q));
+                            }
+                        }
+                        if (s + 1) % PER == 0 {
+                            fold_super::<T, S, PER>(m, &sets, a, i0, s, true, &mut ksum, &mut off);
                         }
                     }
                 } else if MINS {
@@ -1754,6 +1855,53 @@ mod tests {
             }
         }
     }
+    /// The K formats' blocks at the ends of their ranges (every value, code and min at its
+    /// largest, or codes at -128), against activations at +-127 everywhere: the paths' 16-bit
+    /// pair sums and code products must stay exact there too.
+    #[test]
+    fn extreme_k_blocks_give_the_portable_bits_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for format in [QuantFormat::Q4_K, QuantFormat::Q6_K] {
+            let (rows, cols) = (40, 512);
+            let bytes = format.ggml_block_bytes();
+            for fill in [Some(0xffu8), Some(0x80), None] {
+                let mut data: Vec<u8> = (0..rows * cols / 256 * bytes)
+                    .map(|_| fill.unwrap_or_else(|| rng.random()))
+                    .collect();
+                // The f16 scales (and Q4_K's min scale): 0.01, so that the sums stay finite.
+                let f16_at: &[usize] = if format == QuantFormat::Q6_K {
+                    &[208]
+                } else {
+                    &[0, 2]
+                };
+                for block in data.chunks_mut(bytes) {
+                    for &at in f16_at {
+                        block[at..at + 2].copy_from_slice(&0x211fu16.to_le_bytes());
+                    }
+                }
+                let m = QuantMatrix::from_ggml(format, rows, cols, &data).unwrap();
+                for n in [1, 3, 8] {
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|i| {
+                            if (i / cols + i / 7) % 3 == 0 {
+                                -1.0
+                            } else {
+                                1.0
+                            }
+                        })
+                        .collect();
+                    let mut want = vec![0f32; n * rows];
+                    matmul_many_on(Path::Portable, &[&m], &x, n, &mut [&mut want[..]]);
+                    for path in Path::available() {
+                        let mut got = vec![0f32; n * rows];
+                        matmul_many_on(path, &[&m], &x, n, &mut [&mut got[..]]);
+                        assert_eq!(got, want, "{format:?} {path:?} fill {fill:?} n={n}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn an_f32_row_is_bit_identical_whatever_the_batch() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
