@@ -96,10 +96,19 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
         let tokens: Vec<u32> = prompt.iter().copied().cycle().take(context).collect();
         let mut cache = KvCache::new(llm.config());
         llm.prefill(&mut cache, &tokens)?;
-        for nodes in NODES {
-            let tree = bushy_tree(&tokens, nodes);
-            let s = median_forward_seconds(&llm, std::slice::from_mut(&mut cache), &tree, reps)?;
-            forwards.push(json!([context, nodes, s]));
+        // Each repetition times every size once, so that a change in the host's speed during
+        // the curve (memory bandwidth here moves by a third between minutes) moves every size
+        // alike instead of the sizes measured during it, and cost(n) / cost(1) stays fair.
+        let trees: Vec<TokenTree> = NODES.iter().map(|&n| bushy_tree(&tokens, n)).collect();
+        let mut times = vec![Vec::with_capacity(reps); trees.len()];
+        for _ in 0..reps.max(1) {
+            for (tree, times) in trees.iter().zip(&mut times) {
+                let cache = std::slice::from_mut(&mut cache);
+                times.push(median_forward_seconds(&llm, cache, tree, 1)?);
+            }
+        }
+        for (nodes, times) in NODES.iter().zip(&times) {
+            forwards.push(json!([context, nodes, median(times.clone())]));
         }
     }
     println!(
@@ -509,7 +518,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         "## The CPU engine beside llama.cpp\n\nThreads: {threads}, every process pinned to cores {cores} (`taskset`). \
          CPU flags: {}. llama.cpp: `llama-bench` from the `{LLAMA_CPP_PYTHON}` sdist (cmake Release, `GGML_NATIVE=ON`), \
          `-t {threads} -p 8,32 -n 32 -r {reps}`, on the same GGUF file in the same run. Ours: one sequence's tree forward \
-         (a bushy tree, node i under node i/2) over cached prompts, median of {reps}, in a child process each for the best \
+         (a bushy tree, node i under node i/2) over cached prompts, median of {reps} repetitions that each time every size once, in a child process each for the best \
          path here and for `SPECINFER_NO_AVX512=1` (the AVX2 path).\n\n\
          Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** at the start (best of 5 passes \
          over 1 GiB, {threads} threads; probed again beside each model, the figure its floor uses); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
