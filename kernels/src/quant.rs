@@ -918,9 +918,9 @@ macro_rules! vector_ops {
             pub type I = $i;
             pub type F = $f;
             pub const LANES: usize = $lanes;
-            /// Activation rows per pass: their accumulators (two sets each, see `tile`) must fit
-            /// the register file (16 registers of 256 bits, 32 of 512).
-            pub const MAX_T: usize = if $lanes == 16 { 4 } else { 3 };
+            /// Activation rows per tile: their accumulators must fit the register file (16
+            /// registers of 256 bits, 32 of 512).
+            pub const MAX_T: usize = if $lanes == 16 { 8 } else { 3 };
             /// Whether `dot::<true>` (Q8_0) re-centres the values itself, so that the caller must
             /// not subtract the zero point's correction. Only the AVX2 path does; its pairwise
             /// 16-bit sums also limit weights to 6 bits (the VNNI paths' dots take any byte).
@@ -1205,22 +1205,15 @@ macro_rules! x86_path {
             ) {
                 let n = dst.len() / count;
                 let mut d: Vec<&mut [[f32; ROWS]]> = dst.chunks_mut(n).collect();
-                // Passes over two sets of rows, so that each broadcast activation feeds two dot
-                // instructions: two row groups (512-bit), or a group's two halves (256-bit).
-                // With one or two activation rows the dots are few and memory is what limits:
-                // then one 512-bit row group per pass, one weight stream (with two interleaved
-                // streams decoding measured about 20 % slower here, AMD EPYC Zen 4).
+                // 512 bits: one row group per pass, one weight stream, and up to 8 activation
+                // rows per tile (the 32 registers hold their sums), so that a tree of 8 nodes
+                // unpacks each weight once. Two row groups per pass in tiles of 4 (each
+                // broadcast activation feeding two dots) measured 1.3-1.6x slower for Q6_K at
+                // 4 to 32 rows and 3-7 % slower for Q4_K (AMD EPYC Zen 4). 256 bits: a group's
+                // two halves, in one pass (one or two rows) or one after the other.
                 let mut j = 0;
                 while j < count {
-                    if LANES == ROWS && j + 1 < count && n > 2 {
-                        let (x, y) = d.split_at_mut(j + 1);
-                        let sets = [
-                            Set::new(m, g0 + j, 0, &mut *x[j]),
-                            Set::new(m, g0 + j + 1, 0, &mut *y[0]),
-                        ];
-                        pass::<2>(m, sets, a, n);
-                        j += 2;
-                    } else if LANES == ROWS {
+                    if LANES == ROWS {
                         pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
                         j += 1;
                     } else if n > 2 {
@@ -1348,8 +1341,6 @@ macro_rules! x86_path {
                     1 => 4,
                     _ => 2,
                 };
-                // Row groups a pass covers: its sets' (512-bit), or the one both halves share.
-                let groups_per_pass = if LANES == ROWS { S } else { 1 };
                 let prefetch_blocks = (PREFETCH_BYTES / pb).max(2);
                 for s in 0..m.blocks {
                     if i0 == 0 {
@@ -1358,10 +1349,7 @@ macro_rules! x86_path {
                         // the loads overlap the arithmetic. Near a set's end the stream goes on
                         // into the set that will follow it in the next pass (row groups lie one
                         // after another), so that no pass starts cold.
-                        let mut ahead = s + prefetch_blocks;
-                        if ahead >= m.blocks {
-                            ahead += (groups_per_pass - 1) * m.blocks;
-                        }
+                        let ahead = s + prefetch_blocks;
                         for set in &sets {
                             params_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
                                 m, set, 0, ahead,
@@ -1379,13 +1367,9 @@ macro_rules! x86_path {
                         // the arithmetic (their first pass then starts from L2).
                         for set in &sets {
                             params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
-                                m,
-                                set,
-                                groups_per_pass,
-                                s,
+                                m, set, 1, s,
                             );
-                            let ahead =
-                                set.w.wrapping_add(groups_per_pass * m.blocks * pb + s * pb);
+                            let ahead = set.w.wrapping_add(m.blocks * pb + s * pb);
                             for line in (0..pb).step_by(64) {
                                 prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
                                     ahead.wrapping_add(line),
