@@ -955,6 +955,8 @@ vector_ops!(zmm_vnni, "avx512f,avx512bw,avx512vnni,f16c", 16, __m512i, __m512, c
     pub unsafe fn add_i16(a: I, b: I) -> I { _mm512_add_epi16(a, b) }
     pub unsafe fn widen16(v: I) -> I { _mm512_madd_epi16(v, _mm512_set1_epi16(1)) }
     pub unsafe fn madd16(a: I, b: I) -> I { _mm512_madd_epi16(a, b) }
+    // Compiled into the shared kernel body's AVX2-only branch (`coded` in `tile`), never taken
+    // on this path, whose dots take any byte.
     pub unsafe fn load_code_pairs(p: *const u8, q: *const u8) -> I {
         let (a, b) = (_mm_loadu_si128(p as *const _), _mm_loadu_si128(q as *const _));
         let lo = _mm_unpacklo_epi8(a, b);

@@ -80,7 +80,10 @@ mod native {
         panicked: AtomicBool,
         /// Helpers parked on `wake`.
         parked: AtomicUsize,
-        lock: Mutex<usize>,
+        /// Helpers started so far (indices `0..started`).
+        started: AtomicUsize,
+        /// Taken to start helpers and to park or wake them.
+        lock: Mutex<()>,
         wake: Condvar,
     }
 
@@ -102,7 +105,8 @@ mod native {
                 inside: AtomicUsize::new(0),
                 panicked: AtomicBool::new(false),
                 parked: AtomicUsize::new(0),
-                lock: Mutex::new(0),
+                started: AtomicUsize::new(0),
+                lock: Mutex::new(()),
                 wake: Condvar::new(),
             })
         }
@@ -113,19 +117,20 @@ mod native {
             if self.busy.swap(true, SeqCst) {
                 return None;
             }
-            let mut started = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            while *started < helpers.min(MAX_THREADS - 1) {
-                let index = *started;
+            let wanted = helpers.min(MAX_THREADS - 1);
+            // Only the leader starts helpers, so `started` changes under no one else here.
+            while self.started.load(SeqCst) < wanted {
+                let index = self.started.load(SeqCst);
+                let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
                 let spawned = std::thread::Builder::new()
                     .name(format!("specinfer-team-{index}"))
                     .spawn(move || self.help(index));
                 if spawned.is_err() {
                     break;
                 }
-                *started += 1;
+                self.started.store(index + 1, SeqCst);
             }
-            let helpers = helpers.min(*started);
-            drop(started);
+            let helpers = helpers.min(self.started.load(SeqCst));
             if helpers == 0 {
                 self.busy.store(false, SeqCst);
                 return None;

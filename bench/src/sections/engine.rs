@@ -107,8 +107,8 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
                 times.push(median_forward_seconds(&llm, cache, tree, 1)?);
             }
         }
-        for (nodes, times) in NODES.iter().zip(&times) {
-            forwards.push(json!([context, nodes, median(times.clone())]));
+        for (nodes, times) in NODES.iter().zip(times) {
+            forwards.push(json!([context, nodes, median(times)]));
         }
     }
     println!(
