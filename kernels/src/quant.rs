@@ -599,9 +599,16 @@ impl QuantMatrix {
     fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &SyncPtr) {
         let groups = self.rows.div_ceil(ROWS);
         let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
-        // `[group][activation row]`.
-        let mut dst = vec![[0f32; ROWS]; count * n];
-        self.group_dots(g0, count, acts, path, &mut dst);
+        // `[group][activation row]`: on the stack for decoding and small trees (a task is a
+        // few microseconds there, and thousands run per token).
+        let (mut stack, mut heap) = ([[0f32; ROWS]; 32], Vec::new());
+        let dst = if count * n <= stack.len() {
+            &mut stack[..count * n]
+        } else {
+            heap.resize(count * n, [0f32; ROWS]);
+            &mut heap[..]
+        };
+        self.group_dots(g0, count, acts, path, dst);
         for (j, dst) in dst.chunks(n).enumerate() {
             let g = g0 + j;
             let valid = (self.rows - g * ROWS).min(ROWS);
