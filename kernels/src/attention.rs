@@ -201,7 +201,9 @@ pub fn tree_attention(
     let chunks = past.div_ceil(POSITIONS);
     let scores_ptr = SyncPtr(scores.as_mut_ptr());
     team::for_each(n_kv_heads * chunks, |t| {
-        let (kh, c) = (t / chunks, t % chunks);
+        // Positions outermost: each thread's span of tasks is one run of positions, so that it
+        // streams a contiguous part of the cache.
+        let (kh, c) = (t % n_kv_heads, t / n_kv_heads);
         let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
         dispatch!(prefix_scores::<A>(
             a: &Attention = &a,
