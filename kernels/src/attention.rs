@@ -69,13 +69,14 @@ fn rows_f32<'a, A: Arith>(
     match cache {
         KvRows::F32(c) => (c, first, stride),
         KvRows::F16(c) => {
-            const AHEAD: usize = 8;
+            // About 2 KB ahead, at least 8 rows: a V task's rows are one cache line each.
+            let ahead_rows = (AHEAD_BYTES / (2 * len).max(1)).max(8);
             // Grown once per task, not zeroed per chunk: every value is written below.
             if buf.len() < count * len {
                 buf.resize(count * len, 0.0);
             }
             for r in 0..count {
-                let ahead = c.as_ptr().wrapping_add(first + (r + AHEAD) * stride);
+                let ahead = c.as_ptr().wrapping_add(first + (r + ahead_rows) * stride);
                 // `len` halves span the bytes of `len / 2` floats.
                 prefetch_lines::<A>(ahead as *const f32, len.div_ceil(2));
                 A::widen(&c[first + r * stride..][..len], &mut buf[r * len..][..len]);
@@ -84,6 +85,9 @@ fn rows_f32<'a, A: Arith>(
         }
     }
 }
+
+/// How far ahead, in bytes of f16 rows, widening asks for the rows it will widen.
+const AHEAD_BYTES: usize = 2048;
 
 std::thread_local! {
     /// Each thread's buffer for widened f16 rows, kept between tasks and calls: a task's rows
