@@ -1108,6 +1108,23 @@ macro_rules! x86_path {
                 }
             }
 
+            /// Asks for block `s` of `set` (`on` = 1: of the sets after it, which lie one after
+            /// another): its weights, and its scales, mins and codes (see [`params_ahead`]).
+            #[inline(always)]
+            fn block_ahead<const HINT: i32, const MINS: bool, const PER: usize>(
+                m: &QuantMatrix,
+                set: &Set,
+                on: usize,
+                s: usize,
+                pb: usize,
+            ) {
+                params_ahead::<HINT, MINS, PER>(m, set, on, s);
+                let at = set.w.wrapping_add((on * m.blocks + s) * pb);
+                for line in (0..pb).step_by(64) {
+                    prefetch::<HINT>(at.wrapping_add(line));
+                }
+            }
+
             /// `set`'s stored scales (`mins`: mins) of block `s`'s super-block.
             #[inline(always)]
             unsafe fn stored<const PER: usize>(
@@ -1351,6 +1368,17 @@ macro_rules! x86_path {
                     _ => 2,
                 };
                 let prefetch_blocks = (PREFETCH_BYTES / pb).max(2);
+                if i0 == 0 {
+                    // The stream's first blocks, which the look-ahead below never asks for: a
+                    // task starts with several misses in flight instead of one or two.
+                    for s in 0..prefetch_blocks.min(m.blocks) {
+                        for set in &sets {
+                            block_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
+                                m, set, 0, s, pb,
+                            );
+                        }
+                    }
+                }
                 for s in 0..m.blocks {
                     if i0 == 0 {
                         // The first pass streams the weights (and their scales and mins, a
@@ -1358,32 +1386,23 @@ macro_rules! x86_path {
                         // the loads overlap the arithmetic. Near a set's end the stream goes on
                         // into the set that will follow it in the next pass (row groups lie one
                         // after another), so that no pass starts cold.
-                        let ahead = s + prefetch_blocks;
                         for set in &sets {
-                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
-                                m, set, 0, ahead,
+                            block_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
+                                m,
+                                set,
+                                0,
+                                s + prefetch_blocks,
+                                pb,
                             );
-                            let ahead = set.w.wrapping_add(ahead * pb);
-                            for line in (0..pb).step_by(64) {
-                                prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                                    ahead.wrapping_add(line),
-                                );
-                            }
                         }
                     } else if i0 + T == n {
                         // The last of several passes reads the weights from L1: meanwhile
                         // stream the next sets' into L2, so that memory never waits for
                         // the arithmetic (their first pass then starts from L2).
                         for set in &sets {
-                            params_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
-                                m, set, 1, s,
+                            block_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
+                                m, set, 1, s, pb,
                             );
-                            let ahead = set.w.wrapping_add(m.blocks * pb + s * pb);
-                            for line in (0..pb).step_by(64) {
-                                prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
-                                    ahead.wrapping_add(line),
-                                );
-                            }
                         }
                     }
                     let mut isum = [[[zero_i(); 2]; S]; T];
