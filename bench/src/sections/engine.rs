@@ -533,7 +533,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         if native_avx512 { "AVX-512 VNNI" } else { "AVX2" },
         peak_avx2 / 1e9,
     );
-    let rounds = if quick { 3 } else { 5 };
+    let rounds = if quick { 3 } else { 9 };
     let mut decode_md = format!(
         "\n### Plain decoding against llama.cpp, in alternating rounds\n\n\
          {rounds} rounds per model; each runs llama.cpp's `llama-bench -n 32 -r 1` (tg32: a warm-up, then 32 \
