@@ -51,6 +51,10 @@ mod native {
     use std::sync::{Condvar, Mutex, OnceLock};
     use std::time::Instant;
 
+    /// Spin-loop iterations (tens of microseconds) before a waiting thread starts to yield its
+    /// core between checks.
+    const SPINS_BEFORE_YIELD: u32 = 2048;
+
     /// A section's tasks, borrowed for the section's duration only (see [`Lead::run`]).
     type Task = *const (dyn Fn(usize) + Sync);
 
@@ -194,7 +198,14 @@ mod native {
                 if fresh(word) {
                     return word;
                 }
-                std::hint::spin_loop();
+                // Past the gaps of a forward, checking in between other threads' turns: where
+                // threads outnumber cores, the caller may need this core to reach its next
+                // section at all.
+                if spins < SPINS_BEFORE_YIELD {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(256) && start.elapsed() > SPIN {
                     break;
@@ -280,8 +291,17 @@ mod native {
                 cursor.0.store(usize::MAX / 2, SeqCst);
             }
             t.section.store(self.epoch * EPOCH, SeqCst);
+            // A helper's last task takes microseconds; a helper that the scheduler took off its
+            // core mid-task (more runnable threads than cores) takes a time slice or more, and
+            // spinning through it would keep the core from the very thread it waits for.
+            let mut spins = 0u32;
             while t.inside.load(SeqCst) != 0 {
-                std::hint::spin_loop();
+                if spins < SPINS_BEFORE_YIELD {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
             }
             // SAFETY: the section is closed and no helper is inside it.
             unsafe { *t.task.get() = None };
