@@ -44,17 +44,16 @@ fn main() {
             },
         ),
     ];
+    let value = |i: usize| half::f16::from_f32(((i * 7919) % 977) as f32 * 0.002 - 0.9);
     println!("| heads | layers | cached | nodes | ms per forward (median of {reps}) | GMAC/s |");
     println!("|---|---:|---:|---:|---:|---:|");
     for (name, layers, shape) in models {
         for &past in &pasts {
             for &n in &nodes {
-                let kv_row = shape.n_kv_heads * shape.head_dim;
-                let value = |i: usize| half::f16::from_f32(((i * 7919) % 977) as f32 * 0.002 - 0.9);
                 let layers = layers_asked.unwrap_or(layers);
                 let caches: Vec<(Vec<half::f16>, Vec<half::f16>)> = (0..layers)
                     .map(|l| {
-                        let len = (past + n) * kv_row;
+                        let len = (past + n) * shape.n_kv_heads * shape.head_dim;
                         let k = (0..len).map(|i| value(i + l)).collect();
                         let v = (0..len).map(|i| value(3 * i + l)).collect();
                         (k, v)

@@ -55,6 +55,17 @@ mod native {
     /// core between checks.
     const SPINS_BEFORE_YIELD: u32 = 2048;
 
+    /// One step of a wait, the `spins`-th: a spin-loop hint at first, then, should the wait go
+    /// on, the core yielded to other threads. Where threads outnumber cores, the thread waited
+    /// for may need this core to finish at all.
+    fn wait_step(spins: u32) {
+        if spins < SPINS_BEFORE_YIELD {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+
     /// A section's tasks, borrowed for the section's duration only (see [`Lead::run`]).
     type Task = *const (dyn Fn(usize) + Sync);
 
@@ -198,14 +209,9 @@ mod native {
                 if fresh(word) {
                     return word;
                 }
-                // Past the gaps of a forward, checking in between other threads' turns: where
-                // threads outnumber cores, the caller may need this core to reach its next
-                // section at all.
-                if spins < SPINS_BEFORE_YIELD {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+                // Past the gaps of a forward the caller may need this core to reach its next
+                // section.
+                wait_step(spins);
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(256) && start.elapsed() > SPIN {
                     break;
@@ -296,12 +302,8 @@ mod native {
             // spinning through it would keep the core from the very thread it waits for.
             let mut spins = 0u32;
             while t.inside.load(SeqCst) != 0 {
-                if spins < SPINS_BEFORE_YIELD {
-                    spins += 1;
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+                wait_step(spins);
+                spins = spins.saturating_add(1);
             }
             // SAFETY: the section is closed and no helper is inside it.
             unsafe { *t.task.get() = None };
