@@ -817,14 +817,13 @@ fn exp_nonpositive<A: Arith + ?Sized>(x: f32) -> f32 {
     }
 }
 
-/// RMSNorm of each row of `x` (`w.len()` wide), times `w`. The sum of squares is the dot
+/// RMSNorm of each row of `x` (`w.len()` wide), times `w`, into `y`. The sum of squares is the dot
 /// routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends on
 /// the row alone.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     assert_eq!(x.len() % w.len().max(1), 0, "x is not [rows, w.len()]");
-    let mut y = vec![0f32; x.len()];
-    dispatch!(rms_norm_lanes::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = &mut y));
-    y
+    assert_eq!(y.len(), x.len(), "y is not x's shape");
+    dispatch!(rms_norm_lanes::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = y));
 }
 
 #[inline(always)]
