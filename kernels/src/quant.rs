@@ -599,31 +599,28 @@ impl QuantMatrix {
     fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &SyncPtr) {
         let groups = self.rows.div_ceil(ROWS);
         let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
-        // `[group][activation row]`: on the stack for decoding and small trees (a task is a
-        // few microseconds there, and thousands run per token).
-        let (mut stack, mut heap) = ([[0f32; ROWS]; 32], Vec::new());
-        let dst = if count * n <= stack.len() {
-            &mut stack[..count * n]
-        } else {
-            heap.resize(count * n, [0f32; ROWS]);
-            &mut heap[..]
-        };
-        self.group_dots(g0, count, acts, path, dst);
-        for (j, dst) in dst.chunks(n).enumerate() {
-            let g = g0 + j;
-            let valid = (self.rows - g * ROWS).min(ROWS);
-            for (i, d) in dst.iter().enumerate() {
-                // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this task
-                // only and lie within it (i < n, g * 16 + valid <= rows).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        d.as_ptr(),
-                        out.0.add(i * self.rows + g * ROWS),
-                        valid,
-                    )
-                };
+        DOTS.with_borrow_mut(|dots| {
+            if dots.len() < count * n {
+                dots.resize(count * n, [0f32; ROWS]);
             }
-        }
+            let dots = &mut dots[..count * n];
+            self.group_dots(g0, count, acts, path, dots);
+            for (j, dots) in dots.chunks(n).enumerate() {
+                let g = g0 + j;
+                let valid = (self.rows - g * ROWS).min(ROWS);
+                for (i, d) in dots.iter().enumerate() {
+                    // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this
+                    // task only and lie within it (i < n, g * 16 + valid <= rows).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            d.as_ptr(),
+                            out.0.add(i * self.rows + g * ROWS),
+                            valid,
+                        )
+                    };
+                }
+            }
+        });
     }
 
     /// Dots of the rows of groups `g0..g0 + count` with every activation row; `dst` is
@@ -772,6 +769,13 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
             mats[k].chunk(c, acts[k], path, n, &outs[k]);
         }
     });
+}
+
+thread_local! {
+    /// A task's dots before they go to their columns, kept per thread from task to task:
+    /// thousands of tasks run per token, and a buffer per task cost its zeroing (2 KB on the
+    /// stack) or an allocation each time. Every element a task reads back it has written.
+    static DOTS: std::cell::RefCell<Vec<[f32; ROWS]>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs of tasks per thread in a product. One run each streamed SmolLM2's layers fastest, but
@@ -1230,30 +1234,26 @@ macro_rules! x86_path {
                 dst: &mut [[f32; ROWS]],
             ) {
                 let n = dst.len() / count;
-                let mut d: Vec<&mut [[f32; ROWS]]> = dst.chunks_mut(n).collect();
                 // 512 bits: one row group per pass, one weight stream, and up to 8 activation
                 // rows per tile (the 32 registers hold their sums), so that a tree of 8 nodes
                 // unpacks each weight once. Two row groups per pass in tiles of 4 (each
                 // broadcast activation feeding two dots) measured 1.3-1.6x slower for Q6_K at
                 // 4 to 32 rows and 3-7 % slower for Q4_K (AMD EPYC Zen 4). 256 bits: a group's
                 // two halves, in one pass (one or two rows) or one after the other.
-                let mut j = 0;
-                while j < count {
+                for j in 0..count {
+                    let d = &mut dst[j * n..(j + 1) * n];
                     if LANES == ROWS {
-                        pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
-                        j += 1;
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, d)], a, n);
                     } else if n > 2 {
                         // 256 bits, several activation rows: one half per pass, so that a
                         // tile holds twice the rows in the same registers (the second half's
                         // pass reads the group from L1).
-                        pass::<1>(m, [Set::new(m, g0 + j, 0, &mut *d[j])], a, n);
-                        pass::<1>(m, [Set::new(m, g0 + j, 1, &mut *d[j])], a, n);
-                        j += 1;
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, d)], a, n);
+                        pass::<1>(m, [Set::new(m, g0 + j, 1, d)], a, n);
                     } else {
-                        let lo = Set::new(m, g0 + j, 0, &mut *d[j]);
-                        let hi = Set::new(m, g0 + j, 1, &mut *d[j]);
+                        let lo = Set::new(m, g0 + j, 0, d);
+                        let hi = Set::new(m, g0 + j, 1, d);
                         pass::<2>(m, [lo, hi], a, n);
-                        j += 1;
                     }
                 }
             }
