@@ -1422,44 +1422,44 @@ macro_rules! x86_path {
                             zero_i()
                         }
                     });
-                    // Group k's weights of every set, as unsigned bytes.
-                    let unpack = |k: usize| -> [I; S] {
-                        std::array::from_fn(|j| {
-                            let w = sets[j].w.add(s * pb);
-                            if NIB {
-                                let p = load_i(w.add(GROUP_BYTES * (k % half)));
-                                let v = if k < half {
-                                    low_nibbles(p)
-                                } else if split {
-                                    high_nibbles_in_place(p)
-                                } else {
-                                    high_nibbles(p)
-                                };
-                                if HIGH > 0 {
-                                    let shift = (k * HIGH) as i32;
-                                    or_i(v, high_plane(plane[j], shift, HIGH as i32))
-                                } else {
-                                    v
-                                }
+                    // Group k's weights of set j, as unsigned bytes.
+                    let unpack = |k: usize, j: usize| -> I {
+                        let w = sets[j].w.add(s * pb);
+                        if NIB {
+                            let p = load_i(w.add(GROUP_BYTES * (k % half)));
+                            let v = if k < half {
+                                low_nibbles(p)
+                            } else if split {
+                                high_nibbles_in_place(p)
                             } else {
-                                load_i(w.add(GROUP_BYTES * k))
+                                high_nibbles(p)
+                            };
+                            if HIGH > 0 {
+                                let shift = (k * HIGH) as i32;
+                                or_i(v, high_plane(plane[j], shift, HIGH as i32))
+                            } else {
+                                v
                             }
-                        })
+                        } else {
+                            load_i(w.add(GROUP_BYTES * k))
+                        }
                     };
                     if narrow {
-                        // Row by row, each row's 16-bit pair sums in one register, from the
-                        // block's weights unpacked once: group by group across the rows instead
-                        // held a 16-bit sum per row beside the 32-bit ones, more than AVX2's 16
-                        // registers at 8 rows (Qwen2.5-Coder-1.5B's 8- and 32-node trees 1.06-1.11x
-                        // faster this way; SmolLM2-135M's unchanged).
-                        let wks: [[I; S]; GROUPS] = std::array::from_fn(unpack);
-                        for t in 0..T {
-                            let x = a.q.as_ptr().add((i0 + t) * m.cols + s * e);
-                            for j in 0..S {
+                        // Set by set and row by row, each row's 16-bit pair sums in one
+                        // register, from the set's block of weights unpacked once: group by
+                        // group across the rows instead held a 16-bit sum per row beside the
+                        // 32-bit ones, more than AVX2's 16 registers at 8 rows (Qwen2.5-Coder-
+                        // 1.5B's 8- and 32-node trees 1.06-1.11x faster this way; SmolLM2-135M's
+                        // unchanged). One set at a time: a block of both sets would be 16
+                        // registers of weights alone.
+                        for j in 0..S {
+                            let wks: [I; GROUPS] = std::array::from_fn(|k| unpack(k, j));
+                            for t in 0..T {
+                                let x = a.q.as_ptr().add((i0 + t) * m.cols + s * e);
                                 let mut p16 = zero_i();
-                                for (k, wk) in wks.iter().enumerate() {
+                                for (k, &wk) in wks.iter().enumerate() {
                                     let xk = splat_i((x.add(4 * k) as *const i32).read_unaligned());
-                                    p16 = add_i16(p16, pairs16(wk[j], xk));
+                                    p16 = add_i16(p16, pairs16(wk, xk));
                                     if (k + 1) % per16 == 0 || k + 1 == GROUPS {
                                         if coded {
                                             let c = &mut ksum[t][j];
@@ -1475,7 +1475,7 @@ macro_rules! x86_path {
                         }
                     } else {
                         for k in 0..GROUPS {
-                            let wk = unpack(k);
+                            let wk: [I; S] = std::array::from_fn(|j| unpack(k, j));
                             for t in 0..T {
                                 let x = a.q.as_ptr().add((i0 + t) * m.cols + s * e + 4 * k);
                                 let xk = splat_i((x as *const i32).read_unaligned());
