@@ -716,31 +716,68 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         assert_eq!(out.len(), n * m.rows, "out is not [n, rows]");
     }
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
+    PRODUCTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => product(path, mats, x, n, outs, &mut scratch),
+        // A product started from inside another's task on this thread (rayon's fallback may
+        // run one there while it waits): buffers of its own.
+        Err(_) => product(path, mats, x, n, outs, &mut Product::default()),
+    })
+}
+
+/// A product's bookkeeping, kept per thread from call to call: a forward runs a few hundred
+/// products, and each allocated about ten small buffers on the calling thread while the team
+/// waited.
+#[derive(Default)]
+struct Product {
+    /// The activations as each format's blocks see them, and which format each entry holds
+    /// (entries past `formats.len()` are spare buffers).
+    acts: Vec<QuantizedActs>,
+    formats: Vec<QuantFormat>,
+    /// Each matrix's entry in `acts`.
+    act_of: Vec<usize>,
+    outs: Vec<SyncPtr>,
+    /// (matrix, task) pairs, and the runs of them each thread starts with.
+    tasks: Vec<(usize, usize)>,
+    runs: Vec<std::ops::Range<usize>>,
+}
+
+thread_local! {
+    static PRODUCTS: std::cell::RefCell<Product> = std::cell::RefCell::new(Product::default());
+}
+
+fn product(
+    path: Path,
+    mats: &[&QuantMatrix],
+    x: &[f32],
+    n: usize,
+    outs: &mut [&mut [f32]],
+    p: &mut Product,
+) {
     // The activations as each format's blocks see them, once per format.
-    let mut formats: Vec<(QuantFormat, QuantizedActs)> = Vec::new();
+    p.formats.clear();
+    p.act_of.clear();
     for m in mats {
-        if !formats.iter().any(|(f, _)| *f == m.format) {
-            formats.push((m.format, QuantizedActs::new(x, n, m)));
-        }
+        let at = match p.formats.iter().position(|&f| f == m.format) {
+            Some(at) => at,
+            None => {
+                let at = p.formats.len();
+                if p.acts.len() == at {
+                    p.acts.push(QuantizedActs::default());
+                }
+                p.acts[at].fill(x, m);
+                p.formats.push(m.format);
+                at
+            }
+        };
+        p.act_of.push(at);
     }
-    let acts: Vec<&QuantizedActs> = mats
-        .iter()
-        .map(|m| {
-            &formats
-                .iter()
-                .find(|(f, _)| *f == m.format)
-                .expect("quantized above")
-                .1
-        })
-        .collect();
-    let outs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
-    let tasks: Vec<(usize, usize)> = mats
-        .iter()
-        .enumerate()
-        .flat_map(|(k, m)| {
-            (0..m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK)).map(move |c| (k, c))
-        })
-        .collect();
+    p.outs.clear();
+    p.outs
+        .extend(outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())));
+    p.tasks.clear();
+    p.tasks.extend(mats.iter().enumerate().flat_map(|(k, m)| {
+        (0..m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK)).map(move |c| (k, c))
+    }));
     // A few contiguous runs of tasks per thread, of about equal weight bytes: each thread then
     // streams long runs of consecutive row groups, which a layer's small matrices read faster
     // than many interleaved short ones (SmolLM2's layers: about 7 % faster than tasks taken one
@@ -750,23 +787,25 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         let groups = mats[k].rows.div_ceil(ROWS);
         QuantMatrix::CHUNK.min(groups - c * QuantMatrix::CHUNK) * mats[k].group_bytes()
     };
-    let total: usize = tasks.iter().map(bytes).sum();
-    let parts = (RUNS_PER_THREAD * rayon::current_num_threads()).min(tasks.len());
-    let mut runs = vec![0..0; parts];
+    let total: usize = p.tasks.iter().map(bytes).sum();
+    let parts = (RUNS_PER_THREAD * rayon::current_num_threads()).min(p.tasks.len());
+    p.runs.clear();
+    p.runs.resize(parts, 0..0);
     let mut start = 0;
-    for (i, t) in tasks.iter().enumerate() {
+    for (i, t) in p.tasks.iter().enumerate() {
         // The part whose share of the bytes this task starts in.
         let part = (start * parts / total.max(1)).min(parts - 1);
-        if runs[part].is_empty() {
-            runs[part] = i..i + 1;
+        if p.runs[part].is_empty() {
+            p.runs[part] = i..i + 1;
         } else {
-            runs[part].end = i + 1;
+            p.runs[part].end = i + 1;
         }
         start += bytes(t);
     }
-    team::for_each(runs.len(), |r| {
-        for &(k, c) in &tasks[runs[r].clone()] {
-            mats[k].chunk(c, acts[k], path, n, &outs[k]);
+    let p = &*p;
+    team::for_each(p.runs.len(), |r| {
+        for &(k, c) in &p.tasks[p.runs[r].clone()] {
+            mats[k].chunk(c, &p.acts[p.act_of[k]], path, n, &p.outs[k]);
         }
     });
 }
@@ -844,6 +883,7 @@ impl Path {
 
 /// Activation rows quantized to 8 bits per block of the format's [`QuantFormat::act_block`],
 /// with per-(row, weight block) terms.
+#[derive(Default)]
 struct QuantizedActs {
     /// `[n, cols]`.
     q: Vec<i8>,
@@ -863,56 +903,47 @@ struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    fn new(x: &[f32], n: usize, m: &QuantMatrix) -> Self {
+    /// Quantizes `x` (`[n, cols]`) as `m`'s format sees it, into these buffers (their memory
+    /// reused from call to call).
+    fn fill(&mut self, x: &[f32], m: &QuantMatrix) {
         let (e, z, per) = (
             m.format.elems(),
             m.format.zero_point(),
             m.format.blocks_per_super(),
         );
         let act = m.format.act_block();
-        let mut q = vec![0i8; x.len()];
-        let mut d = vec![0f32; x.len() / act];
-        lanes::quantize_blocks(x, act, &mut q, &mut d);
-        let blocks = n * m.blocks;
+        self.q.clear();
+        self.q.resize(x.len(), 0);
+        self.d.clear();
+        self.d.resize(x.len() / act, 0.0);
+        lanes::quantize_blocks(x, act, &mut self.q, &mut self.d);
+        // The 32-weight formats' activation blocks are their weight blocks: `d` holds one scale
+        // per weight block, as they want; the K formats keep one per super-block.
+        debug_assert!(per > 1 || act == e);
         let (dsum, sums) = (
             m.format.has_mins() && per == 1,
             m.format.has_mins() && per > 1,
         );
-        let mut a = QuantizedActs {
-            corr: Vec::with_capacity(blocks),
-            dsum: Vec::with_capacity(if dsum { blocks } else { 0 }),
-            sums: Vec::with_capacity(if sums { blocks } else { 0 }),
-            pair_sums: Vec::with_capacity(if per > 1 { blocks / 2 } else { 0 }),
-            // The K formats keep the quantizer's scales as they are; the others get one per
-            // weight block, below.
-            d: if per == 1 {
-                Vec::with_capacity(blocks)
-            } else {
-                std::mem::take(&mut d)
-            },
-            q,
-        };
-        for (b, qb) in a.q.chunks_exact(e).enumerate() {
+        self.corr.clear();
+        self.dsum.clear();
+        self.sums.clear();
+        self.pair_sums.clear();
+        for (b, qb) in self.q.chunks_exact(e).enumerate() {
             let sum: i32 = qb.iter().map(|&v| v as i32).sum();
-            a.corr.push(z * sum);
-            if per == 1 {
-                let d = d[b * e / act];
-                a.d.push(d);
-                if dsum {
-                    a.dsum.push(d * sum as f32);
-                }
+            self.corr.push(z * sum);
+            if dsum {
+                self.dsum.push(self.d[b] * sum as f32);
             } else if sums {
-                a.sums.push(sum);
+                self.sums.push(sum);
             }
             if per > 1 {
                 if b % 2 == 0 {
-                    a.pair_sums.push(sum & 0xffff);
+                    self.pair_sums.push(sum & 0xffff);
                 } else {
-                    *a.pair_sums.last_mut().expect("pushed at the even block") |= sum << 16;
+                    *self.pair_sums.last_mut().expect("pushed at the even block") |= sum << 16;
                 }
             }
         }
-        a
     }
 }
 
