@@ -778,29 +778,31 @@ fn product(
     p.tasks.extend(mats.iter().enumerate().flat_map(|(k, m)| {
         (0..m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK)).map(move |c| (k, c))
     }));
-    // A few contiguous runs of tasks per thread, of about equal weight bytes: each thread then
-    // streams long runs of consecutive row groups, which a layer's small matrices read faster
-    // than many interleaved short ones (SmolLM2's layers: about 7 % faster than tasks taken one
-    // at a time, on this project's 2-core host), while a thread that falls behind still has
-    // its last runs taken by the other (see `RUNS_PER_THREAD`).
+    // Each thread's share of the tasks, of about equal weight bytes, in halving runs (see
+    // `RUNS_PER_THREAD`): each thread first streams a long run of consecutive row groups, which
+    // a layer's small matrices read faster than many interleaved short ones (SmolLM2's layers:
+    // about 7 % faster than tasks taken one at a time, on this project's 2-core host), and a
+    // thread that finishes first takes what is left of the others' in ever shorter runs.
     let bytes = |&(k, c): &(usize, usize)| {
         let groups = mats[k].rows.div_ceil(ROWS);
         QuantMatrix::CHUNK.min(groups - c * QuantMatrix::CHUNK) * mats[k].group_bytes()
     };
     let total: usize = p.tasks.iter().map(bytes).sum();
-    let parts = (RUNS_PER_THREAD * rayon::current_num_threads()).min(p.tasks.len());
+    let threads = rayon::current_num_threads();
     p.runs.clear();
-    p.runs.resize(parts, 0..0);
-    let mut start = 0;
+    let (mut start, mut share, mut share_start) = (0, 0, 0);
     for (i, t) in p.tasks.iter().enumerate() {
-        // The part whose share of the bytes this task starts in.
-        let part = (start * parts / total.max(1)).min(parts - 1);
-        if p.runs[part].is_empty() {
-            p.runs[part] = i..i + 1;
-        } else {
-            p.runs[part].end = i + 1;
+        // The share whose bytes this task starts in.
+        let of = (start * threads / total.max(1)).min(threads - 1);
+        while share < of {
+            halving_runs(&mut p.runs, share_start..i);
+            (share, share_start) = (share + 1, i);
         }
         start += bytes(t);
+    }
+    while share < threads {
+        halving_runs(&mut p.runs, share_start..p.tasks.len());
+        (share, share_start) = (share + 1, p.tasks.len());
     }
     let p = &*p;
     team::for_each(p.runs.len(), |r| {
@@ -817,11 +819,31 @@ thread_local! {
     static DOTS: std::cell::RefCell<Vec<[f32; ROWS]>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Runs of tasks per thread in a product. One run each streamed SmolLM2's layers fastest, but
-/// left no work to steal: Qwen2.5-Coder-1.5B's 8- to 32-node trees on the AVX2 path then cost
-/// 1.2-1.4x what they do with tasks taken one at a time. Four runs each measured as fast as
-/// either on both (2 threads, AMD EPYC Zen 4).
-const RUNS_PER_THREAD: usize = 4;
+/// Runs of tasks per thread in a product, of halving length (1/2, 1/4, 1/8, 1/16 and 1/16 of
+/// the thread's share). One run each streamed SmolLM2's layers fastest, but left no work to
+/// steal: Qwen2.5-Coder-1.5B's 8- to 32-node trees on the AVX2 path then cost 1.2-1.4x what they
+/// do with tasks taken one at a time. Four equal runs each measured as fast as either on both,
+/// but the thread that finished first then waited for up to a quarter of the other's share at
+/// the end of every section; with halving runs it waits for a sixteenth. Against four equal
+/// runs, alternated in one process (2 threads, AMD EPYC Zen 4): SmolLM2-135M's decode 1.00-1.03x
+/// faster, Qwen 1.5B's 1.03x, its 8-node tree on the AVX2 path 1.03-1.10x.
+const RUNS_PER_THREAD: usize = 5;
+
+/// Cuts `tasks` into [`RUNS_PER_THREAD`] runs of halving length (the last two alike; some
+/// empty where there are few tasks), appended to `runs`.
+fn halving_runs(runs: &mut Vec<std::ops::Range<usize>>, tasks: std::ops::Range<usize>) {
+    let mut at = tasks.start;
+    for r in 0..RUNS_PER_THREAD {
+        let rest = tasks.end - at;
+        let take = if r + 1 == RUNS_PER_THREAD {
+            rest
+        } else {
+            rest.div_ceil(2)
+        };
+        runs.push(at..at + take);
+        at += take;
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Path {
