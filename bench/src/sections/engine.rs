@@ -145,12 +145,14 @@ pub fn decode_child(gguf: &Path) -> Result<()> {
     Ok(())
 }
 
-/// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s).
+/// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s), and the
+/// read bandwidth probed right before our native run (bytes/s).
 #[derive(Clone, Copy)]
 struct DecodeRound {
     llama: f64,
     native: f64,
     avx2: f64,
+    bandwidth: f64,
 }
 
 /// `rounds` alternating rounds of plain decoding on `gguf` (see the module documentation).
@@ -171,6 +173,7 @@ fn decode_rounds(
             llama: 0.0,
             native: 0.0,
             avx2: 0.0,
+            bandwidth: 0.0,
         };
         for k in 0..3 {
             match (r + k) % 3 {
@@ -178,16 +181,21 @@ fn decode_rounds(
                     let tg = llama_cpp_rates(exe, gguf, cores, threads, 1, "0", "32")?;
                     round.llama = tg.first().context("llama-bench gave no tg32")?.2;
                 }
-                1 => round.native = ours(&[])?,
+                1 => {
+                    // The floor our decoding is held to, from the same minute's memory.
+                    round.bandwidth = read_bandwidth(threads)?;
+                    round.native = ours(&[])?;
+                }
                 _ => round.avx2 = ours(&[("SPECINFER_NO_AVX512", "1")])?,
             }
         }
         eprintln!(
-            "[engine] decode round {}: llama.cpp {:.1}, ours {:.1} (AVX2 {:.1}) tokens/s",
+            "[engine] decode round {}: llama.cpp {:.1}, ours {:.1} (AVX2 {:.1}) tokens/s; read bandwidth {:.1} GB/s",
             r + 1,
             round.llama,
             round.native,
-            round.avx2
+            round.avx2,
+            round.bandwidth / 1e9
         );
         out.push(round);
     }
@@ -521,11 +529,13 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          (a bushy tree, node i under node i/2) over cached prompts, median of {reps} repetitions that each time every size once, in a child process each for the best \
          path here and for `SPECINFER_NO_AVX512=1` (the AVX2 path).\n\n\
          Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** at the start (best of 5 passes \
-         over 1 GiB, {threads} threads; probed again beside each model, the figure its floor uses); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
+         over 1 GiB, {threads} threads; probed again beside each model, the figure its floor and n* use); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
          (8 independent accumulators per thread). The decode floor is the weight bytes one token reads / bandwidth; extra \
          nodes cost only multiply-adds until nodes x MACs / peak outlasts the read, so the forward may grow from \
-         n* = floor x peak / MACs.\n\n\
-         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | bandwidth GB/s (probed beside it) | floor tok/s | floor / ours | n* native |\n\
+         n* = floor x peak / MACs. Floor / ours is taken from the decode rounds below: in each, the bandwidth is probed \
+         again right before our native decoding, and our rate in that round is held to the floor that probe implies (the \
+         median of the rounds' ratios; the host's bandwidth moves between minutes).\n\n\
+         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | bandwidth GB/s (probed beside it) | floor tok/s | floor / ours, median of decode rounds | n* native |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
         flags.join(", "),
         bandwidth / 1e9,
@@ -541,8 +551,8 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          then the timed run, in a child process: `--engine-decode`) on the native and the AVX2 path, the order \
          rotating each round, all pinned to cores {cores}. The ratio is taken within each round; the \
          median of the rounds' ratios is the figure to quote.\n\n\
-         | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios |\n\
-         |---|---|---|---|---|---|---|---|\n"
+         | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios | read GB/s before ours | floor / ours, rounds |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n"
     );
     let mut curves_md = String::new();
     let mut json_models = Vec::new();
@@ -578,8 +588,12 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let floor_ratios: Vec<f64> = decode
+            .iter()
+            .map(|r| r.native * native.weight_bytes / r.bandwidth)
+            .collect();
         decode_md += &format!(
-            "| {} | {:.1} | {:.1} | **{:.2}x** | {} | {:.1} | **{:.2}x** | {} |\n",
+            "| {} | {:.1} | {:.1} | **{:.2}x** | {} | {:.1} | **{:.2}x** | {} | {} | {} |\n",
             model.name,
             median(decode.iter().map(|r| r.llama).collect()),
             median(decode.iter().map(|r| r.native).collect()),
@@ -588,6 +602,12 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             median(decode.iter().map(|r| r.avx2).collect()),
             median(avx2_ratios.clone()),
             list(&avx2_ratios),
+            decode
+                .iter()
+                .map(|r| format!("{:.1}", r.bandwidth / 1e9))
+                .collect::<Vec<_>>()
+                .join(", "),
+            list(&floor_ratios),
         );
         let (one, one_avx2) = (
             native.seconds(128, 1).context("no 1-node forward")?,
@@ -605,7 +625,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             native.weight_bytes / 1e6,
             bandwidth / 1e9,
             1.0 / floor,
-            floor / one,
+            median(floor_ratios.clone()),
         );
         curves_md += &format!(
             "\n**{}**: cost(n) / cost(1) (forward ms in brackets). Predicted: max(floor, n x MACs / peak) / cost(1) \
@@ -649,7 +669,8 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "model": model.name,
             "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
             "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
-            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2})).collect::<Vec<_>>(),
+            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2, "read_bandwidth_bytes_per_s": r.bandwidth})).collect::<Vec<_>>(),
+            "floor_over_ours_rounds": floor_ratios,
             "decode_ratio_median": {"native": median(native_ratios.clone()), "avx2": median(avx2_ratios.clone())},
             "weight_bytes_per_token": native.weight_bytes,
             "macs_per_token": native.macs,
