@@ -817,9 +817,9 @@ fn exp_nonpositive<A: Arith + ?Sized>(x: f32) -> f32 {
     }
 }
 
-/// RMSNorm of each row of `x` (`w.len()` wide), times `w`, into `y`. The sum of squares is the dot
-/// routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends on
-/// the row alone.
+/// RMSNorm of each row of `x` (`w.len()` wide), times `w`, into `y`. The sum of squares is the
+/// dot routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends
+/// on the row alone.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     assert_eq!(x.len() % w.len().max(1), 0, "x is not [rows, w.len()]");
     assert_eq!(y.len(), x.len(), "y is not x's shape");

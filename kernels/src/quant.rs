@@ -42,6 +42,8 @@
 //! and 6-bit ones as such a nibble plus a plane of their high bits (one or two bits per value,
 //! beside the nibbles of the same block), 8-bit ones a byte each.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
@@ -718,8 +720,8 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
     PRODUCTS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut scratch) => product(path, mats, x, n, outs, &mut scratch),
-        // A product started from inside another's task on this thread (rayon's fallback may
-        // run one there while it waits): buffers of its own.
+        // A product started on this thread while one is under way here (a thread waiting in
+        // rayon's fallback may meanwhile run another caller's forward): buffers of its own.
         Err(_) => product(path, mats, x, n, outs, &mut Product::default()),
     })
 }
@@ -742,9 +744,10 @@ struct Product {
 }
 
 thread_local! {
-    static PRODUCTS: std::cell::RefCell<Product> = std::cell::RefCell::new(Product::default());
+    static PRODUCTS: RefCell<Product> = RefCell::new(Product::default());
 }
 
+/// [`matmul_many_on`]'s work, with `p`'s buffers.
 fn product(
     path: Path,
     mats: &[&QuantMatrix],
@@ -816,7 +819,7 @@ thread_local! {
     /// A task's dots before they go to their columns, kept per thread from task to task:
     /// thousands of tasks run per token, and a buffer per task cost its zeroing (2 KB on the
     /// stack) or an allocation each time. Every element a task reads back it has written.
-    static DOTS: std::cell::RefCell<Vec<[f32; ROWS]>> = const { std::cell::RefCell::new(Vec::new()) };
+    static DOTS: RefCell<Vec<[f32; ROWS]>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs of tasks per thread in a product, of halving length (1/2, 1/4, 1/8, 1/16 and 1/16 of
