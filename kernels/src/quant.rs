@@ -42,7 +42,7 @@
 //! and 6-bit ones as such a nibble plus a plane of their high bits (one or two bits per value,
 //! beside the nibbles of the same block), 8-bit ones a byte each.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use rayon::prelude::*;
 
@@ -601,28 +601,28 @@ impl QuantMatrix {
     fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &SyncPtr) {
         let groups = self.rows.div_ceil(ROWS);
         let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
-        DOTS.with_borrow_mut(|dots| {
-            if dots.len() < count * n {
-                dots.resize(count * n, [0f32; ROWS]);
+        let mut dots = DOTS.take();
+        if dots.len() < count * n {
+            dots.resize(count * n, [0f32; ROWS]);
+        }
+        let task_dots = &mut dots[..count * n];
+        self.group_dots(g0, count, acts, path, task_dots);
+        for (j, group) in task_dots.chunks(n).enumerate() {
+            let g = g0 + j;
+            let valid = (self.rows - g * ROWS).min(ROWS);
+            for (i, d) in group.iter().enumerate() {
+                // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this
+                // task only and lie within it (i < n, g * 16 + valid <= rows).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        d.as_ptr(),
+                        out.0.add(i * self.rows + g * ROWS),
+                        valid,
+                    )
+                };
             }
-            let dots = &mut dots[..count * n];
-            self.group_dots(g0, count, acts, path, dots);
-            for (j, dots) in dots.chunks(n).enumerate() {
-                let g = g0 + j;
-                let valid = (self.rows - g * ROWS).min(ROWS);
-                for (i, d) in dots.iter().enumerate() {
-                    // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this
-                    // task only and lie within it (i < n, g * 16 + valid <= rows).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            d.as_ptr(),
-                            out.0.add(i * self.rows + g * ROWS),
-                            valid,
-                        )
-                    };
-                }
-            }
-        });
+        }
+        DOTS.set(dots);
     }
 
     /// Dots of the rows of groups `g0..g0 + count` with every activation row; `dst` is
@@ -718,12 +718,11 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
         assert_eq!(out.len(), n * m.rows, "out is not [n, rows]");
     }
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
-    PRODUCTS.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut scratch) => product(path, mats, x, n, outs, &mut scratch),
-        // A product started on this thread while one is under way here (a thread waiting in
-        // rayon's fallback may meanwhile run another caller's forward): buffers of its own.
-        Err(_) => product(path, mats, x, n, outs, &mut Product::default()),
-    })
+    // Taken for the product's duration: a product started on this thread meanwhile (a thread
+    // waiting in rayon's fallback may run another caller's forward) finds empty buffers.
+    let mut buffers = PRODUCTS.take();
+    product(path, mats, x, n, outs, &mut buffers);
+    PRODUCTS.set(buffers);
 }
 
 /// A product's bookkeeping, kept per thread from call to call: a forward runs a few hundred
@@ -744,7 +743,7 @@ struct Product {
 }
 
 thread_local! {
-    static PRODUCTS: RefCell<Product> = RefCell::new(Product::default());
+    static PRODUCTS: Cell<Product> = Cell::new(Product::default());
 }
 
 /// [`matmul_many_on`]'s work, with `p`'s buffers.
@@ -819,7 +818,7 @@ thread_local! {
     /// A task's dots before they go to their columns, kept per thread from task to task:
     /// thousands of tasks run per token, and a buffer per task cost its zeroing (2 KB on the
     /// stack) or an allocation each time. Every element a task reads back it has written.
-    static DOTS: RefCell<Vec<[f32; ROWS]>> = const { RefCell::new(Vec::new()) };
+    static DOTS: Cell<Vec<[f32; ROWS]>> = const { Cell::new(Vec::new()) };
 }
 
 /// Runs of tasks per thread in a product, of halving length (1/2, 1/4, 1/8, 1/16 and 1/16 of
