@@ -44,8 +44,6 @@
 
 use std::cell::Cell;
 
-use rayon::prelude::*;
-
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
 use crate::team;
 
@@ -597,10 +595,16 @@ impl QuantMatrix {
         self.bytes() / self.rows.div_ceil(ROWS)
     }
 
-    /// Task `c` of a product: row groups `c * CHUNK..`, written into their columns of `out`.
-    fn chunk(&self, c: usize, acts: &QuantizedActs, path: Path, n: usize, out: &SyncPtr) {
-        let groups = self.rows.div_ceil(ROWS);
-        let (g0, count) = (c * Self::CHUNK, Self::CHUNK.min(groups - c * Self::CHUNK));
+    /// A task of a product: row groups `g0..g0 + count`, written into their columns of `out`.
+    fn chunk(
+        &self,
+        g0: usize,
+        count: usize,
+        acts: &QuantizedActs,
+        path: Path,
+        n: usize,
+        out: &SyncPtr,
+    ) {
         let mut dots = DOTS.take();
         if dots.len() < count * n {
             dots.resize(count * n, [0f32; ROWS]);
@@ -614,11 +618,14 @@ impl QuantMatrix {
                 // SAFETY: row group g's columns of `out` (`[n, rows]`) are written by this
                 // task only and lie within it (i < n, g * 16 + valid <= rows).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        d.as_ptr(),
-                        out.0.add(i * self.rows + g * ROWS),
-                        valid,
-                    )
+                    let to = out.0.add(i * self.rows + g * ROWS);
+                    if valid == ROWS {
+                        // A whole group: one fixed-size store, where a copy of `valid` floats
+                        // is a call to `memcpy` (thousands per token).
+                        to.cast::<[f32; ROWS]>().write_unaligned(*d);
+                    } else {
+                        std::ptr::copy_nonoverlapping(d.as_ptr(), to, valid);
+                    }
                 };
             }
         }
@@ -737,8 +744,9 @@ struct Product {
     /// Each matrix's entry in `acts`.
     act_of: Vec<usize>,
     outs: Vec<SyncPtr>,
-    /// (matrix, task) pairs, and the runs of them each thread starts with.
-    tasks: Vec<(usize, usize)>,
+    /// Tasks as (matrix, first row group, row groups), and the runs of them each thread starts
+    /// with.
+    tasks: Vec<(usize, usize, usize)>,
     runs: Vec<std::ops::Range<usize>>,
 }
 
@@ -776,31 +784,33 @@ fn product(
     p.outs.clear();
     p.outs
         .extend(outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())));
-    p.tasks.clear();
-    p.tasks.extend(mats.iter().enumerate().flat_map(|(k, m)| {
-        (0..m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK)).map(move |c| (k, c))
-    }));
     // Each thread's share of the tasks, of about equal weight bytes, in halving runs (see
     // `RUNS_PER_THREAD`): each thread first streams a long run of consecutive row groups, which
     // a layer's small matrices read faster than many interleaved short ones (SmolLM2's layers:
     // about 7 % faster than tasks taken one at a time, on this project's 2-core host), and a
     // thread that finishes first takes what is left of the others' in ever shorter runs.
-    let bytes = |&(k, c): &(usize, usize)| {
-        let groups = mats[k].rows.div_ceil(ROWS);
-        QuantMatrix::CHUNK.min(groups - c * QuantMatrix::CHUNK) * mats[k].group_bytes()
-    };
-    let total: usize = p.tasks.iter().map(bytes).sum();
+    // Planned without a division per task: a token plans a few thousand tasks, on the calling
+    // thread while the helpers wait.
+    let total: usize = mats
+        .iter()
+        .map(|m| m.rows.div_ceil(ROWS) * m.group_bytes())
+        .sum();
     let threads = rayon::current_num_threads();
+    p.tasks.clear();
     p.runs.clear();
     let (mut start, mut share, mut share_start) = (0, 0, 0);
-    for (i, t) in p.tasks.iter().enumerate() {
-        // The share whose bytes this task starts in.
-        let of = (start * threads / total.max(1)).min(threads - 1);
-        while share < of {
-            halving_runs(&mut p.runs, share_start..i);
-            (share, share_start) = (share + 1, i);
+    for (k, m) in mats.iter().enumerate() {
+        let (groups, group_bytes) = (m.rows.div_ceil(ROWS), m.group_bytes());
+        for g0 in (0..groups).step_by(QuantMatrix::CHUNK) {
+            // Close the shares that end at or before this task's first byte.
+            while share + 1 < threads && start * threads >= total * (share + 1) {
+                halving_runs(&mut p.runs, share_start..p.tasks.len());
+                (share, share_start) = (share + 1, p.tasks.len());
+            }
+            let count = QuantMatrix::CHUNK.min(groups - g0);
+            p.tasks.push((k, g0, count));
+            start += count * group_bytes;
         }
-        start += bytes(t);
     }
     while share < threads {
         halving_runs(&mut p.runs, share_start..p.tasks.len());
@@ -808,8 +818,8 @@ fn product(
     }
     let p = &*p;
     team::for_each(p.runs.len(), |r| {
-        for &(k, c) in &p.tasks[p.runs[r].clone()] {
-            mats[k].chunk(c, &p.acts[p.act_of[k]], path, n, &p.outs[k]);
+        for &(k, g0, count) in &p.tasks[p.runs[r].clone()] {
+            mats[k].chunk(g0, count, &p.acts[p.act_of[k]], path, n, &p.outs[k]);
         }
     });
 }
@@ -1696,14 +1706,19 @@ impl F32Matrix {
             ))
         };
         let mut tr = vec![0f32; self.rows * n];
-        // Below about a million multiply-adds the thread pool costs more than it saves.
+        // Below about a million multiply-adds a parallel section costs more than it saves.
         if self.rows * self.cols * n < 1 << 20 {
             rows(0, &mut tr);
         } else {
             const CHUNK: usize = 32;
-            tr.par_chunks_mut(CHUNK * n)
-                .enumerate()
-                .for_each(|(c, chunk)| rows(c * CHUNK, chunk));
+            let at = &SyncPtr(tr.as_mut_ptr());
+            team::for_each(self.rows.div_ceil(CHUNK), |c| {
+                let r0 = c * CHUNK;
+                let count = CHUNK.min(self.rows - r0);
+                // SAFETY: task c alone writes rows r0..r0 + count of `tr` (`[rows, n]`).
+                let chunk = unsafe { std::slice::from_raw_parts_mut(at.0.add(r0 * n), count * n) };
+                rows(r0, chunk)
+            });
         }
         for (r, col) in tr.chunks(n).enumerate() {
             for (i, &v) in col.iter().enumerate() {
