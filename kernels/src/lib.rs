@@ -17,4 +17,4 @@ mod team;
 
 pub use attention::{tree_attention, AttentionShape, KvRows};
 pub use lanes::{rms_norm, swiglu};
-pub use quant::{matmul_many, F32Matrix, QuantFormat, QuantMatrix};
+pub use quant::{matmul_many, read_ahead, F32Matrix, QuantFormat, QuantMatrix};

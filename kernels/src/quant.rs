@@ -754,6 +754,17 @@ thread_local! {
     static PRODUCTS: Cell<Product> = Cell::new(Product::default());
 }
 
+/// Has the compute team's helpers read ahead their shares of `mats`' weights while they wait
+/// for the sections before the product of `mats` (see `team::read_ahead`): the forward names
+/// what it multiplies next. The packed weights only: scales and codes are a few per cent.
+pub fn read_ahead(mats: &[&QuantMatrix]) {
+    let mut ranges = [(std::ptr::null::<u8>(), 0); 4];
+    for (range, m) in ranges.iter_mut().zip(mats) {
+        *range = (m.qs.as_ptr(), m.qs.len());
+    }
+    team::read_ahead(&ranges[..mats.len().min(4)]);
+}
+
 /// [`matmul_many_on`]'s work, with `p`'s buffers.
 fn product(
     path: Path,

@@ -3,8 +3,8 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use specinfer_kernels::{
-    matmul_many, rms_norm, swiglu, tree_attention, AttentionShape, F32Matrix, QuantFormat,
-    QuantMatrix,
+    matmul_many, read_ahead, rms_norm, swiglu, tree_attention, AttentionShape, F32Matrix,
+    QuantFormat, QuantMatrix,
 };
 use specinfer_wire::TokenTree;
 
@@ -381,6 +381,9 @@ impl Llama {
         let mut a = Activations::new(rows, d, q_row, kv_row, cfg.ffn_dim);
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, cfg.rms_eps, &mut a.h);
+            // Each product names the one after it: the team's helpers read their shares of it
+            // ahead while they wait (attention, and the serial work between sections).
+            read_ahead_of([&layer.o]);
             forward_many(
                 [&layer.q, &layer.k, &layer.v],
                 &a.h,
@@ -412,10 +415,12 @@ impl Llama {
                 );
                 start += n;
             }
+            read_ahead_of([&layer.gate, &layer.up]);
             layer.o.forward_into(&a.attn, rows, &mut a.h)?;
             x.iter_mut().zip(&a.h).for_each(|(x, o)| *x += o);
 
             rms_norm(&x, &layer.ffn_norm, cfg.rms_eps, &mut a.h);
+            read_ahead_of([&layer.down]);
             forward_many(
                 [&layer.gate, &layer.up],
                 &a.h,
@@ -423,6 +428,10 @@ impl Llama {
                 [&mut a.gate, &mut a.up],
             )?;
             swiglu(&mut a.gate, &a.up);
+            match self.layers.get(li + 1) {
+                Some(next) => read_ahead_of([&next.q, &next.k, &next.v]),
+                None => read_ahead_of([&self.lm_head]),
+            }
             layer.down.forward_into(&a.gate, rows, &mut a.h)?;
             x.iter_mut().zip(&a.h).for_each(|(x, y)| *x += y);
         }
@@ -497,6 +506,16 @@ impl Llama {
         let logits = self.forward(&mut [SeqTree::new(cache, &tree)])?.remove(0);
         cache.commit_scratch();
         Ok(logits.node(tokens.len() - 1).to_vec())
+    }
+}
+
+/// [`read_ahead`] of the linears' weights, where all are quantized (the kernel's own layout).
+fn read_ahead_of<const N: usize>(ls: [&Linear; N]) {
+    if ls.iter().all(|l| matches!(l.w, Weight::Quant(_))) {
+        read_ahead(&ls.map(|l| match &l.w {
+            Weight::Quant(m) => m,
+            _ => unreachable!("all checked quantized"),
+        }));
     }
 }
 
