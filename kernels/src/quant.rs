@@ -505,6 +505,22 @@ impl QuantMatrix {
             + self.min_codes.len()
     }
 
+    /// The stored streams (packed weights, scales, mins and their codes) as bytes: what a
+    /// product reads of this matrix, [`QuantMatrix::bytes`] in all.
+    pub fn streams(&self) -> [&[u8]; 5] {
+        let bytes = |v: &[u16]| {
+            // SAFETY: any u16 is two initialised bytes, and u8 needs no alignment.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), 2 * v.len()) }
+        };
+        [
+            &self.qs,
+            bytes(&self.scales),
+            bytes(&self.mins),
+            &self.scale_codes,
+            &self.min_codes,
+        ]
+    }
+
     pub fn format(&self) -> QuantFormat {
         self.format
     }

@@ -247,6 +247,32 @@ impl Llama {
         cost
     }
 
+    /// The bytes [`Llama::per_token_weights`] counts, buffer by buffer in the order a forward
+    /// reads them: reading just these is the floor under a token's forward on this memory.
+    /// Weights held by candle's kernels (none in the shipped models) are left out.
+    pub fn per_token_buffers(&self) -> Vec<&[u8]> {
+        let linears = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .chain([&self.lm_head]);
+        let mut out = Vec::new();
+        for l in linears {
+            match &l.w {
+                Weight::Quant(m) => out.extend(m.streams().into_iter().filter(|b| !b.is_empty())),
+                Weight::F32(m) => {
+                    let w = m.weights();
+                    // SAFETY: any f32 is four initialised bytes, and u8 needs no alignment.
+                    out.push(unsafe {
+                        std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), 4 * w.len())
+                    });
+                }
+                Weight::Candle(_) => {}
+            }
+        }
+        out
+    }
+
     /// The final norm's weights (a feature-conditioned drafter starts from them).
     pub fn final_norm_weights(&self) -> &[f32] {
         &self.final_norm

@@ -8,7 +8,12 @@
 //! cores as llama.cpp. Beside them the limits: the machine's streaming read bandwidth and int8
 //! multiply-add peak, measured on the same threads, the decode floor they imply (weight bytes
 //! per token / bandwidth) and the node count from which a forward must grow (where the
-//! multiply-adds of the extra nodes outlast the weight read).
+//! multiply-adds of the extra nodes outlast the weight read). The floor our decoding is held to
+//! is read on the weights themselves: the decoding process, right before its timed run, reads
+//! exactly the bytes a token's forward reads (best of 5 passes on the same threads). On this
+//! project's host a 1 GiB probe buffer read at 35-37 GB/s in some processes and 55-61 in others
+//! (where a fresh allocation lands), so a probe in another buffer, even a minute apart, says
+//! little about the memory the weights sit in; the report gives that probe's floor as well.
 //!
 //! The headline ratio, plain decoding against llama.cpp's, is measured in alternating rounds:
 //! each round runs llama.cpp's tg32 once and our greedy decoding of 32 tokens once on each path
@@ -122,12 +127,17 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
 const DECODE_TOKENS: usize = 32;
 
 /// The alternating runs' child: greedy plain decoding of [`DECODE_TOKENS`] tokens after a short
-/// prompt, as llama-bench's tg32 does (one warm-up run, then the timed one); prints tokens/s.
+/// prompt, as llama-bench's tg32 does (one warm-up run, then the timed one); between the two,
+/// the read bandwidth of the very bytes a token's forward reads. Prints tokens/s and bytes/s.
 pub fn decode_child(gguf: &Path) -> Result<()> {
     let (llm, tok) = load_gguf(gguf)?;
     let prompt = tok.encode("def fibonacci(n):\n")?;
     let mut rate = 0.0;
-    for _ in 0..2 {
+    let mut weights_bandwidth = 0.0;
+    for run in 0..2 {
+        if run == 1 {
+            weights_bandwidth = read_buffers_bandwidth(&llm.per_token_buffers());
+        }
         let mut cache = KvCache::new(llm.config());
         let last = llm.prefill(&mut cache, &prompt)?;
         // The first of equal maxima, as the model's own argmax.
@@ -141,18 +151,46 @@ pub fn decode_child(gguf: &Path) -> Result<()> {
         }
         rate = DECODE_TOKENS as f64 / t.elapsed().as_secs_f64();
     }
-    println!("{rate}");
+    println!("{rate} {weights_bandwidth}");
     Ok(())
 }
 
-/// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s), and the
-/// read bandwidth probed right before our native run (bytes/s).
+/// Bytes/s of reading `buffers` once, in order, on rayon's pool (the process's threads): the best
+/// of 5 passes, each summing every 8-byte word so that nothing is skipped.
+fn read_buffers_bandwidth(buffers: &[&[u8]]) -> f64 {
+    use rayon::prelude::*;
+    // Pieces small enough for the pool to split the whole read evenly, large enough to stream.
+    let pieces: Vec<&[u8]> = buffers.iter().flat_map(|b| b.chunks(256 << 10)).collect();
+    let bytes: usize = buffers.iter().map(|b| b.len()).sum();
+    let sum_words = |p: &[u8]| {
+        // SAFETY: any 8 initialised bytes are a u64; `align_to` keeps the alignment.
+        let (head, words, tail) = unsafe { p.align_to::<u64>() };
+        let bytes = head.iter().chain(tail).fold(0u64, |a, &b| a.wrapping_add(b as u64));
+        words.iter().fold(bytes, |a, &w| a.wrapping_add(w))
+    };
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: u64 = pieces
+            .par_iter()
+            .map(|p| sum_words(p))
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best
+}
+
+/// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s), the read
+/// bandwidth of a 1 GiB probe right before our native run and that of the weights themselves in
+/// our native run's process (bytes/s).
 #[derive(Clone, Copy)]
 struct DecodeRound {
     llama: f64,
     native: f64,
     avx2: f64,
     bandwidth: f64,
+    weights_bandwidth: f64,
 }
 
 /// `rounds` alternating rounds of plain decoding on `gguf` (see the module documentation).
@@ -163,9 +201,15 @@ fn decode_rounds(
     threads: usize,
     rounds: usize,
 ) -> Result<Vec<DecodeRound>> {
-    let ours = |env: &[(&str, &str)]| -> Result<f64> {
+    // (tokens/s, the weights' read bandwidth in bytes/s)
+    let ours = |env: &[(&str, &str)]| -> Result<(f64, f64)> {
         let gguf = gguf.as_os_str().to_string_lossy();
-        Ok(child_output(cores, env, &["--engine-decode", &gguf])?.parse()?)
+        let out = child_output(cores, env, &["--engine-decode", &gguf])?;
+        let mut fields = out.split_whitespace().map(str::parse::<f64>);
+        match (fields.next(), fields.next()) {
+            (Some(rate), Some(bandwidth)) => Ok((rate?, bandwidth?)),
+            _ => bail!("the decoding child printed {out:?}, not a rate and a bandwidth"),
+        }
     };
     let mut out = Vec::with_capacity(rounds);
     for r in 0..rounds {
@@ -174,6 +218,7 @@ fn decode_rounds(
             native: 0.0,
             avx2: 0.0,
             bandwidth: 0.0,
+            weights_bandwidth: 0.0,
         };
         for k in 0..3 {
             match (r + k) % 3 {
@@ -182,19 +227,19 @@ fn decode_rounds(
                     round.llama = tg.first().context("llama-bench gave no tg32")?.2;
                 }
                 1 => {
-                    // The floor our decoding is held to, from the same minute's memory.
                     round.bandwidth = read_bandwidth(threads)?;
-                    round.native = ours(&[])?;
+                    (round.native, round.weights_bandwidth) = ours(&[])?;
                 }
-                _ => round.avx2 = ours(&[("SPECINFER_NO_AVX512", "1")])?,
+                _ => round.avx2 = ours(&[("SPECINFER_NO_AVX512", "1")])?.0,
             }
         }
         eprintln!(
-            "[engine] decode round {}: llama.cpp {:.1}, ours {:.1} (AVX2 {:.1}) tokens/s; read bandwidth {:.1} GB/s",
+            "[engine] decode round {}: llama.cpp {:.1}, ours {:.1} (AVX2 {:.1}) tokens/s; weights read at {:.1} GB/s in our process, 1 GiB probe {:.1} GB/s",
             r + 1,
             round.llama,
             round.native,
             round.avx2,
+            round.weights_bandwidth / 1e9,
             round.bandwidth / 1e9
         );
         out.push(round);
@@ -532,11 +577,14 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          over 1 GiB, {threads} threads; probed again beside each model, the figure its floor and n* use); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
          (8 independent accumulators per thread). The decode floor is the weight bytes one token reads / bandwidth; extra \
          nodes cost only multiply-adds until nodes x MACs / peak outlasts the read, so the forward may grow from \
-         n* = floor x peak / MACs. Floor / ours is taken from the decode rounds below: in each, the bandwidth is probed \
-         again right before our native decoding, and our rate in that round is held to the floor that probe implies (the \
-         median of the rounds' ratios; the host's bandwidth moves between minutes).\n\n\
-         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | bandwidth GB/s (probed beside it) | floor tok/s | floor / ours, median of decode rounds | n* native |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|\n",
+         n* = floor x peak / MACs. Floor / ours is taken from the decode rounds below: in each, our native decoding's \
+         process reads exactly the bytes a token's forward reads (its weights, best of 5 passes on the same threads) \
+         right before its timed run, and our rate is held to the floor that read implies; the median of the rounds' \
+         ratios is the figure. Beside it the same ratio against the 1 GiB probe run just before that process: on this \
+         host the probe's buffer reads at 35-37 GB/s in some processes and 55-61 in others (where a fresh allocation \
+         lands in memory), so it can misstate the memory the weights sit in either way.\n\n\
+         | model | llama.cpp tg32 tok/s | ours 1 node tok/s (native) | ours / llama.cpp | ours AVX2 tok/s | AVX2 / llama.cpp | weights read MB | bandwidth GB/s (1 GiB probe beside it) | floor tok/s (by that probe) | floor / ours, median of decode rounds (weights read in our process) | the same by the 1 GiB probe | n* native |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
         flags.join(", "),
         bandwidth / 1e9,
         peak_native / 1e9,
@@ -551,7 +599,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          then the timed run, in a child process: `--engine-decode`) on the native and the AVX2 path, the order \
          rotating each round, all pinned to cores {cores}. The ratio is taken within each round; the \
          median of the rounds' ratios is the figure to quote.\n\n\
-         | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios | read GB/s before ours | floor / ours, rounds |\n\
+         | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios | weights read GB/s (our process) | floor / ours, rounds | 1 GiB probe GB/s before ours | floor / ours by it, rounds |\n\
          |---|---|---|---|---|---|---|---|---|---|\n"
     );
     let mut curves_md = String::new();
@@ -588,12 +636,27 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let floor_ratios: Vec<f64> = decode
-            .iter()
-            .map(|r| r.native * native.weight_bytes / r.bandwidth)
-            .collect();
+        // Our rate in each round against the floor a bandwidth implies: the weights' own read in
+        // our process (the figure held), or the 1 GiB probe before it.
+        let floor_ratios = |bandwidth: fn(&DecodeRound) -> f64| -> Vec<f64> {
+            decode
+                .iter()
+                .map(|r| r.native * native.weight_bytes / bandwidth(r))
+                .collect()
+        };
+        let (weights_floor, probe_floor) = (
+            floor_ratios(|r| r.weights_bandwidth),
+            floor_ratios(|r| r.bandwidth),
+        );
+        let gbs = |bandwidth: fn(&DecodeRound) -> f64| {
+            decode
+                .iter()
+                .map(|r| format!("{:.1}", bandwidth(r) / 1e9))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         decode_md += &format!(
-            "| {} | {:.1} | {:.1} | **{:.2}x** | {} | {:.1} | **{:.2}x** | {} | {} | {} |\n",
+            "| {} | {:.1} | {:.1} | **{:.2}x** | {} | {:.1} | **{:.2}x** | {} | {} | {} | {} | {} |\n",
             model.name,
             median(decode.iter().map(|r| r.llama).collect()),
             median(decode.iter().map(|r| r.native).collect()),
@@ -602,12 +665,10 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             median(decode.iter().map(|r| r.avx2).collect()),
             median(avx2_ratios.clone()),
             list(&avx2_ratios),
-            decode
-                .iter()
-                .map(|r| format!("{:.1}", r.bandwidth / 1e9))
-                .collect::<Vec<_>>()
-                .join(", "),
-            list(&floor_ratios),
+            gbs(|r| r.weights_bandwidth),
+            list(&weights_floor),
+            gbs(|r| r.bandwidth),
+            list(&probe_floor),
         );
         let (one, one_avx2) = (
             native.seconds(128, 1).context("no 1-node forward")?,
@@ -616,7 +677,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         let floor = native.weight_bytes / bandwidth;
         let grow_from = floor * peak_native / native.macs;
         md += &format!(
-            "| {} | {tg:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x | {:.0} | {:.1} | {:.1} | {:.2} | {grow_from:.1} |\n",
+            "| {} | {tg:.1} | {:.1} | {:.2}x | {:.1} | {:.2}x | {:.0} | {:.1} | {:.1} | **{:.2}** | {:.2} | {grow_from:.1} |\n",
             model.name,
             1.0 / one,
             1.0 / one / tg,
@@ -625,7 +686,8 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             native.weight_bytes / 1e6,
             bandwidth / 1e9,
             1.0 / floor,
-            median(floor_ratios.clone()),
+            median(weights_floor.clone()),
+            median(probe_floor.clone()),
         );
         curves_md += &format!(
             "\n**{}**: cost(n) / cost(1) (forward ms in brackets). Predicted: max(floor, n x MACs / peak) / cost(1) \
@@ -669,8 +731,9 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "model": model.name,
             "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
             "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
-            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2, "read_bandwidth_bytes_per_s": r.bandwidth})).collect::<Vec<_>>(),
-            "floor_over_ours_rounds": floor_ratios,
+            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2, "weights_read_bytes_per_s": r.weights_bandwidth, "probe_read_bandwidth_bytes_per_s": r.bandwidth})).collect::<Vec<_>>(),
+            "floor_over_ours_rounds": weights_floor,
+            "floor_over_ours_rounds_by_probe": probe_floor,
             "decode_ratio_median": {"native": median(native_ratios.clone()), "avx2": median(avx2_ratios.clone())},
             "weight_bytes_per_token": native.weight_bytes,
             "macs_per_token": native.macs,
