@@ -600,7 +600,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          rotating each round, all pinned to cores {cores}. The ratio is taken within each round; the \
          median of the rounds' ratios is the figure to quote.\n\n\
          | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios | weights read GB/s (our process) | floor / ours, rounds | 1 GiB probe GB/s before ours | floor / ours by it, rounds |\n\
-         |---|---|---|---|---|---|---|---|---|---|\n"
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     let mut curves_md = String::new();
     let mut json_models = Vec::new();
