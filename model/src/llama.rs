@@ -233,13 +233,8 @@ impl Llama {
     /// multiply-adds they take. Their floor on this machine is bytes / memory bandwidth, and
     /// extra tree nodes cost only multiply-adds until those outlast the read.
     pub fn per_token_weights(&self) -> WeightCost {
-        let linears = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-            .chain([&self.lm_head]);
         let mut cost = WeightCost { bytes: 0, macs: 0 };
-        for l in linears {
+        for l in self.per_token_linears() {
             let (rows, cols) = l.w.shape();
             cost.bytes += l.w.bytes();
             cost.macs += rows * cols;
@@ -247,17 +242,20 @@ impl Llama {
         cost
     }
 
+    /// Every projection a token's forward multiplies by, in order, and the head.
+    fn per_token_linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .chain([&self.lm_head])
+    }
+
     /// The bytes [`Llama::per_token_weights`] counts, buffer by buffer in the order a forward
     /// reads them: reading just these is the floor under a token's forward on this memory.
     /// Weights held by candle's kernels (none in the shipped models) are left out.
     pub fn per_token_buffers(&self) -> Vec<&[u8]> {
-        let linears = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
-            .chain([&self.lm_head]);
         let mut out = Vec::new();
-        for l in linears {
+        for l in self.per_token_linears() {
             match &l.w {
                 Weight::Quant(m) => out.extend(m.streams().into_iter().filter(|b| !b.is_empty())),
                 Weight::F32(m) => {
@@ -287,12 +285,11 @@ impl Llama {
     /// packed together (no padding), attention per sequence over its own cache. Afterwards each
     /// cache holds its tree in the scratch region, ready for [`KvCache::compact`].
     pub fn forward(&self, seqs: &mut [SeqTree<'_>]) -> Result<Vec<Logits>> {
-        // The kernels' parallel sections run on the compute team, led from this thread. (Run
-        // inside rayon's pool instead, as before the team existed, a rayon worker ran the
-        // forward and another spun idle beside the team's helper: three busy threads on a
-        // 2-core host, 1.90 cores doing work instead of 1.99, decoding 2-3 % slower.)
+        // The kernels' parallel sections run on the compute team, led from this thread. Not
+        // inside rayon's pool: there a second rayon worker spins idle beside the team's helper,
+        // three busy threads on a 2-core host (1.90 cores doing work instead of 1.99).
         let all = vec![true; seqs.len()];
-        self.forward_in_pool(seqs, &all, None)
+        self.run_forward(seqs, &all, None)
     }
 
     /// [`Llama::forward`] computing logits only for the sequences whose `logits` entry is true;
@@ -304,7 +301,7 @@ impl Llama {
         logits: &[bool],
     ) -> Result<Vec<Logits>> {
         assert_eq!(seqs.len(), logits.len(), "one logits flag per sequence");
-        self.forward_in_pool(seqs, logits, None)
+        self.run_forward(seqs, logits, None)
     }
 
     /// Runs `tokens` as a chain on top of the cache and commits them, computing no logits: a
@@ -312,7 +309,7 @@ impl Llama {
     /// restricted head, a row of the whole vocabulary per token) would cost more than its layers.
     pub fn append(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<()> {
         let tree = TokenTree::chain(tokens);
-        self.forward_in_pool(&mut [SeqTree::new(cache, &tree)], &[false], None)?;
+        self.run_forward(&mut [SeqTree::new(cache, &tree)], &[false], None)?;
         cache.commit_scratch();
         Ok(())
     }
@@ -336,13 +333,13 @@ impl Llama {
         }
         let mut seqs = [seq];
         Ok(self
-            .forward_in_pool(&mut seqs, &[logits], Some(inputs))?
+            .run_forward(&mut seqs, &[logits], Some(inputs))?
             .remove(0))
     }
 
     /// The forward of [`Llama::forward_selected`]: the head runs only on the rows of sequences
     /// whose `want` entry is true; `inputs`, when given, replaces the embeddings of all rows.
-    fn forward_in_pool(
+    fn run_forward(
         &self,
         seqs: &mut [SeqTree<'_>],
         want: &[bool],

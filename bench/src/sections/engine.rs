@@ -165,7 +165,10 @@ fn read_buffers_bandwidth(buffers: &[&[u8]]) -> f64 {
     let sum_words = |p: &[u8]| {
         // SAFETY: any 8 initialised bytes are a u64; `align_to` keeps the alignment.
         let (head, words, tail) = unsafe { p.align_to::<u64>() };
-        let bytes = head.iter().chain(tail).fold(0u64, |a, &b| a.wrapping_add(b as u64));
+        let bytes = head
+            .iter()
+            .chain(tail)
+            .fold(0u64, |a, &b| a.wrapping_add(b as u64));
         words.iter().fold(bytes, |a, &w| a.wrapping_add(w))
     };
     let mut best = f64::MAX;
