@@ -13,8 +13,6 @@
 //! read (exact), so attention over an f16 cache gives the bits of f32 attention over the stored
 //! values.
 
-use std::borrow::Cow;
-
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
 use crate::team;
 
@@ -96,20 +94,46 @@ std::thread_local! {
     static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// `cache[range]` as f32: borrowed from an f32 cache, widened from an f16 one.
-fn region_f32(cache: KvRows<'_>, range: std::ops::Range<usize>) -> Cow<'_, [f32]> {
+/// `cache[range]` as f32: borrowed from an f32 cache, widened from an f16 one into `buf`.
+fn region_f32<'a>(
+    cache: KvRows<'a>,
+    range: std::ops::Range<usize>,
+    buf: &'a mut Vec<f32>,
+) -> &'a [f32] {
     #[inline(always)]
     fn widen<A: Arith>(src: &[half::f16], dst: &mut [f32]) {
         A::widen(src, dst)
     }
     match cache {
-        KvRows::F32(c) => Cow::Borrowed(&c[range]),
+        KvRows::F32(c) => &c[range],
         KvRows::F16(c) => {
-            let mut out = vec![0f32; range.len()];
-            dispatch!(widen::<A>(src: &[half::f16] = &c[range], dst: &mut [f32] = &mut out));
-            Cow::Owned(out)
+            // Every element is overwritten: only a change of length writes anything here.
+            buf.resize(range.len(), 0.0);
+            dispatch!(widen::<A>(src: &[half::f16] = &c[range], dst: &mut [f32] = buf));
+            buf
         }
     }
+}
+
+/// A call's bookkeeping, kept per thread from call to call: a forward makes a call per layer and
+/// each allocated about eight small buffers on the calling thread while the team's helpers
+/// waited (about a microsecond per layer of SmolLM2's decoding). Every element a call reads it
+/// has written.
+#[derive(Default)]
+struct Scratch {
+    /// Every node's visible tree positions, one node after another (see [`Attention::visible`]).
+    visible: Vec<usize>,
+    /// Where each node's start in `visible` (and one past the last).
+    visible_at: Vec<usize>,
+    offsets: Vec<usize>,
+    scores: Vec<f32>,
+    inv_sums: Vec<f32>,
+    tree_k: Vec<f32>,
+    tree_v: Vec<f32>,
+}
+
+std::thread_local! {
+    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// Attention for `n` new nodes of one sequence.
@@ -140,6 +164,10 @@ pub fn tree_attention(
     words_per_node: usize,
     out: &mut [f32],
 ) {
+    // Taken for the call's duration: a call started on this thread meanwhile (a thread waiting
+    // in rayon's fallback running another caller's forward) finds an empty one.
+    let mut scratch = SCRATCH.take();
+    let s = &mut scratch;
     let AttentionShape {
         n_heads,
         n_kv_heads,
@@ -164,40 +192,48 @@ pub fn tree_attention(
         "heads must be a multiple of kv heads"
     );
     // The tree positions each node sees (the committed prefix is seen by all).
-    let tree_visible: Vec<Vec<usize>> = (0..n)
-        .map(|i| {
-            let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
+    s.visible.clear();
+    s.visible_at.clear();
+    s.visible_at.push(0);
+    for i in 0..n {
+        let bits = &ancestors[i * words_per_node..(i + 1) * words_per_node];
+        s.visible.extend(
             (0..=first + i)
                 .filter(|&j| bits[j / 64] >> (j % 64) & 1 == 1)
-                .map(|j| past + j)
-                .collect()
-        })
-        .collect();
+                .map(|j| past + j),
+        );
+        s.visible_at.push(s.visible.len());
+    }
     // Score rows, one per (node, head): the prefix's scores, then the node's tree positions'.
-    let mut offsets = vec![0];
-    for seen in &tree_visible {
+    s.offsets.clear();
+    s.offsets.push(0);
+    for i in 0..n {
+        let len = past + s.visible_at[i + 1] - s.visible_at[i];
         for _ in 0..n_heads {
-            offsets.push(offsets.last().unwrap() + past + seen.len());
+            s.offsets.push(s.offsets.last().unwrap() + len);
         }
     }
+    // Every score is written below (step 1 the prefix's, step 2 the tree's), every sum too.
+    s.scores.resize(*s.offsets.last().unwrap(), 0.0);
+    s.inv_sums.resize(n * n_heads, 0.0);
     // The tree's own rows (a few positions, or a whole prompt) widened once, not per query.
     let tree = past * kv_row..(past + first + n) * kv_row;
-    let (tree_k, tree_v) = (region_f32(k, tree.clone()), region_f32(v, tree));
     let a = Attention {
         shape,
         q,
         k,
         v,
-        tree_k: &tree_k,
-        tree_v: &tree_v,
+        tree_k: region_f32(k, tree.clone(), &mut s.tree_k),
+        tree_v: region_f32(v, tree, &mut s.tree_v),
         past,
         n,
         group: n_heads / n_kv_heads,
         scale: 1.0 / (head_dim as f32).sqrt(),
-        tree_visible: &tree_visible,
-        offsets: &offsets,
+        visible: &s.visible,
+        visible_at: &s.visible_at,
+        offsets: &s.offsets,
     };
-    let mut scores = vec![0f32; *offsets.last().unwrap()];
+    let scores = &mut s.scores;
 
     // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every node
     //    and every query head of its group.
@@ -218,7 +254,7 @@ pub fn tree_attention(
     });
 
     // 2. Each row's tree scores and softmax weights.
-    let mut inv_sums = vec![0f32; n * n_heads];
+    let inv_sums = &mut s.inv_sums;
     let inv_ptr = &SyncPtr(inv_sums.as_mut_ptr());
     let scores_at = &scores_ptr;
     team::for_each(n * n_heads, |r| {
@@ -227,8 +263,8 @@ pub fn tree_attention(
         let (row, inv) = unsafe {
             (
                 std::slice::from_raw_parts_mut(
-                    scores_at.0.add(offsets[r]),
-                    offsets[r + 1] - offsets[r],
+                    scores_at.0.add(a.offsets[r]),
+                    a.offsets[r + 1] - a.offsets[r],
                 ),
                 &mut *inv_ptr.0.add(r),
             )
@@ -240,12 +276,12 @@ pub fn tree_attention(
     //    every node and head, and each output keeps its accumulators in registers.
     let out_ptr = SyncPtr(out.as_mut_ptr());
     let w = Weights {
-        scores: &scores,
-        inv_sums: &inv_sums,
+        scores,
+        inv_sums,
         out: &out_ptr,
     };
     macro_rules! by_chunk {
-        ($($d:literal)*) => {
+        ($done:lifetime; $($d:literal)*) => {
             $(if head_dim.is_multiple_of($d) {
                 let chunks = head_dim / $d;
                 team::for_each(n_kv_heads * chunks, |t| {
@@ -257,11 +293,14 @@ pub fn tree_attention(
                         w: &Weights = &w,
                     ));
                 });
-                return;
+                break $done;
             })*
         };
     }
-    by_chunk!(32 16 8 4 2 1);
+    'values: {
+        by_chunk!('values; 32 16 8 4 2 1);
+    }
+    SCRATCH.set(scratch);
 }
 
 /// The inputs of one call, shared by its tasks.
@@ -277,11 +316,17 @@ struct Attention<'a> {
     n: usize,
     group: usize,
     scale: f32,
-    tree_visible: &'a [Vec<usize>],
+    visible: &'a [usize],
+    visible_at: &'a [usize],
     offsets: &'a [usize],
 }
 
 impl Attention<'_> {
+    /// The tree positions (absolute) node `i` sees: its ancestors and itself, by depth.
+    fn visible(&self, i: usize) -> &[usize] {
+        &self.visible[self.visible_at[i]..self.visible_at[i + 1]]
+    }
+
     fn query(&self, i: usize, h: usize) -> &[f32] {
         let hd = self.shape.head_dim;
         &self.q[(i * self.shape.n_heads + h) * hd..][..hd]
@@ -387,7 +432,7 @@ fn prefix_scores<A: Arith>(
 fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
     let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);
     let (q, kh, hd) = (a.query(i, h), h / a.group, a.shape.head_dim);
-    for (t, &pos) in a.tree_visible[i].iter().enumerate() {
+    for (t, &pos) in a.visible(i).iter().enumerate() {
         // The same code as the prefix's scores: a position scores the same bits whether it is
         // committed or an ancestor in the tree.
         row[a.past + t] = A::dots(q, [&a.tree_k[a.tree_at(pos, kh, 0)..][..hd]])[0] * a.scale;
@@ -437,7 +482,7 @@ fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize
         }
     }
     for ((acc, &r), &ws) in acc.iter_mut().zip(&rows).zip(&row_weights) {
-        let seen = &a.tree_visible[r / a.shape.n_heads];
+        let seen = a.visible(r / a.shape.n_heads);
         let tree = |t: usize| a.tree_at(seen[t - a.past], kh, d0);
         A::accumulate(
             std::array::from_mut(acc),
