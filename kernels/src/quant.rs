@@ -499,14 +499,11 @@ impl QuantMatrix {
     /// Bytes the repacked matrix holds (weights, scales and mins), for comparison with its
     /// GGML size.
     pub fn bytes(&self) -> usize {
-        self.qs.len()
-            + 2 * (self.scales.len() + self.mins.len())
-            + self.scale_codes.len()
-            + self.min_codes.len()
+        self.streams().iter().map(|s| s.len()).sum()
     }
 
     /// The stored streams (packed weights, scales, mins and their codes) as bytes: what a
-    /// product reads of this matrix, [`QuantMatrix::bytes`] in all.
+    /// product reads of this matrix.
     pub fn streams(&self) -> [&[u8]; 5] {
         let bytes = |v: &[u16]| {
             // SAFETY: any u16 is two initialised bytes, and u8 needs no alignment.
@@ -774,11 +771,11 @@ thread_local! {
 /// for the sections before the product of `mats` (see `team::read_ahead`): the forward names
 /// what it multiplies next. The packed weights only: scales and codes are a few per cent.
 pub fn read_ahead(mats: &[&QuantMatrix]) {
-    let mut ranges = [(std::ptr::null::<u8>(), 0); 4];
+    let mut ranges = [(std::ptr::null::<u8>(), 0); team::MAX_RANGES];
     for (range, m) in ranges.iter_mut().zip(mats) {
         *range = (m.qs.as_ptr(), m.qs.len());
     }
-    team::read_ahead(&ranges[..mats.len().min(4)]);
+    team::read_ahead(&ranges[..mats.len().min(team::MAX_RANGES)]);
 }
 
 /// [`matmul_many_on`]'s work, with `p`'s buffers.

@@ -51,6 +51,10 @@ pub(crate) fn read_ahead(ranges: &[(*const u8, usize)]) {
     let _ = ranges;
 }
 
+/// The most byte ranges a read-ahead hint holds (a layer's query, key and value weights); any
+/// beyond are not read ahead.
+pub(crate) const MAX_RANGES: usize = 4;
+
 /// How long a helper watches for the next section before parking: longer than the serial work
 /// between two sections of a forward (norms, residuals, the next activations' quantization),
 /// short enough that an idle process gives its cores back at once.
@@ -59,7 +63,7 @@ const SPIN: std::time::Duration = std::time::Duration::from_micros(300);
 
 #[cfg(not(target_arch = "wasm32"))]
 mod native {
-    use super::SPIN;
+    use super::{MAX_RANGES, SPIN};
     use std::cell::UnsafeCell;
     use std::panic::{catch_unwind, AssertUnwindSafe};
     use std::sync::atomic::{
@@ -100,9 +104,6 @@ mod native {
     /// Bytes read ahead per step, between two looks at the section word (about a quarter of a
     /// microsecond of one core's share of the bandwidth).
     const READ_AHEAD_STEP: usize = 4096;
-
-    /// The most byte ranges a hint holds (a layer's query, key and value weights).
-    const MAX_RANGES: usize = 4;
 
     /// The read-ahead hint (see [`super::read_ahead`]): written by the leading caller, read by
     /// helpers while they wait, with relaxed atomics throughout (a torn read only prefetches

@@ -145,17 +145,8 @@ fn forward_many<const K: usize>(
     rows: usize,
     mut outs: [&mut [f32]; K],
 ) -> Result<()> {
-    let quant: Option<Vec<&QuantMatrix>> = ls
-        .iter()
-        .map(|l| match &l.w {
-            Weight::Quant(m) => Some(m),
-            _ => None,
-        })
-        .collect();
-    let same = quant
-        .as_ref()
-        .is_some_and(|ms| ms.iter().all(|m| m.cols() == ms[0].cols()));
-    let (Some(ms), true) = (quant, same) else {
+    let same_width = |ms: &[&QuantMatrix; K]| ms.iter().all(|m| m.cols() == ms[0].cols());
+    let Some(ms) = all_quantized(ls).filter(same_width) else {
         for (o, l) in outs.iter_mut().zip(ls) {
             l.forward_into(x, rows, o)?;
         }
@@ -534,12 +525,21 @@ impl Llama {
 
 /// [`read_ahead`] of the linears' weights, where all are quantized (the kernel's own layout).
 fn read_ahead_of<const N: usize>(ls: [&Linear; N]) {
-    if ls.iter().all(|l| matches!(l.w, Weight::Quant(_))) {
-        read_ahead(&ls.map(|l| match &l.w {
-            Weight::Quant(m) => m,
-            _ => unreachable!("all checked quantized"),
-        }));
+    if let Some(ms) = all_quantized(ls) {
+        read_ahead(&ms);
     }
+}
+
+/// The linears' matrices in our kernel's layout, where all of them are quantized.
+fn all_quantized<const N: usize>(ls: [&Linear; N]) -> Option<[&QuantMatrix; N]> {
+    let ms = ls.map(|l| match &l.w {
+        Weight::Quant(m) => Some(m),
+        _ => None,
+    });
+    if ms.iter().any(Option::is_none) {
+        return None;
+    }
+    Some(ms.map(|m| m.expect("checked above")))
 }
 
 /// A forward's intermediate rows, allocated once and overwritten whole by every layer's steps:

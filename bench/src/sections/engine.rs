@@ -442,27 +442,14 @@ pub fn llama_cpp_rates(
         .collect()
 }
 
-/// Streaming read bandwidth on `threads` threads, bytes/s: the best of several passes over a
-/// 1 GiB buffer (far beyond every cache).
+/// Streaming read bandwidth on `threads` threads, bytes/s: a 1 GiB buffer (far beyond every
+/// cache) read as [`read_buffers_bandwidth`] reads the weights, so that the two compare.
 fn read_bandwidth(threads: usize) -> Result<f64> {
-    use rayon::prelude::*;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()?;
-    let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect();
-    let bytes = (buf.len() * 8) as f64;
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let sum: u64 = pool.install(|| {
-            buf.par_chunks(1 << 16)
-                .map(|c| c.iter().fold(0u64, |a, &v| a.wrapping_add(v)))
-                .reduce(|| 0, u64::wrapping_add)
-        });
-        std::hint::black_box(sum);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(bytes / best)
+    let buf = vec![1u8; 1 << 30];
+    Ok(pool.install(|| read_buffers_bandwidth(&[&buf])))
 }
 
 /// The int8 multiply-add peak on `threads` threads (MACs/s) of the instruction the engine's
