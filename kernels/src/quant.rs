@@ -757,9 +757,9 @@ struct Product {
     /// Each matrix's entry in `acts`.
     act_of: Vec<usize>,
     outs: Vec<SyncPtr>,
-    /// Tasks as (matrix, first row group, row groups), and the runs of them each thread starts
-    /// with.
-    tasks: Vec<(usize, usize, usize)>,
+    /// Each matrix's first task (and one past the last), tasks being numbered across the
+    /// matrices in order, and the runs of them each thread starts with (see [`plan_shares`]).
+    first_task: Vec<usize>,
     runs: Vec<std::ops::Range<usize>>,
 }
 
@@ -808,44 +808,86 @@ fn product(
     p.outs.clear();
     p.outs
         .extend(outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())));
-    // Each thread's share of the tasks, of about equal weight bytes, in halving runs (see
-    // `RUNS_PER_THREAD`): each thread first streams a long run of consecutive row groups, which
-    // a layer's small matrices read faster than many interleaved short ones (SmolLM2's layers:
-    // about 7 % faster than tasks taken one at a time, on this project's 2-core host), and a
-    // thread that finishes first takes what is left of the others' in ever shorter runs.
-    // Planned without a division per task: a token plans a few thousand tasks, on the calling
-    // thread while the helpers wait.
-    let total: usize = mats
-        .iter()
-        .map(|m| m.rows.div_ceil(ROWS) * m.group_bytes())
-        .sum();
-    let threads = rayon::current_num_threads();
-    p.tasks.clear();
-    p.runs.clear();
-    let (mut start, mut share, mut share_start) = (0, 0, 0);
-    for (k, m) in mats.iter().enumerate() {
-        let (groups, group_bytes) = (m.rows.div_ceil(ROWS), m.group_bytes());
-        for g0 in (0..groups).step_by(QuantMatrix::CHUNK) {
-            // Close the shares that end at or before this task's first byte.
-            while share + 1 < threads && start * threads >= total * (share + 1) {
-                halving_runs(&mut p.runs, share_start..p.tasks.len());
-                (share, share_start) = (share + 1, p.tasks.len());
-            }
-            let count = QuantMatrix::CHUNK.min(groups - g0);
-            p.tasks.push((k, g0, count));
-            start += count * group_bytes;
-        }
-    }
-    while share < threads {
-        halving_runs(&mut p.runs, share_start..p.tasks.len());
-        (share, share_start) = (share + 1, p.tasks.len());
-    }
+    plan_shares(mats, p);
     let p = &*p;
     team::for_each(p.runs.len(), |r| {
-        for &(k, g0, count) in &p.tasks[p.runs[r].clone()] {
-            mats[k].chunk(g0, count, &p.acts[p.act_of[k]], path, n, &p.outs[k]);
-        }
+        run_tasks(mats, p, p.runs[r].clone(), path, n)
     });
+}
+
+/// Plans a product's tasks: [`QuantMatrix::CHUNK`] row groups each, numbered across `mats` in
+/// order (`p.first_task`), and each thread's share of them, of about equal weight bytes, in
+/// halving runs (`p.runs`, see [`RUNS_PER_THREAD`]): each thread first streams a long run of
+/// consecutive row groups, which a layer's small matrices read faster than many interleaved
+/// short ones (SmolLM2's layers: about 7 % faster than tasks taken one at a time, on this
+/// project's 2-core host), and a thread that finishes first takes what is left of the others'
+/// in ever shorter runs. Planned from the matrices' sizes, a few steps per thread, not task by
+/// task: a token runs a few thousand tasks, and listing them one by one (about 3 % of SmolLM2's
+/// decoding, alternated in one process) kept the team's helpers waiting on the calling thread.
+fn plan_shares(mats: &[&QuantMatrix], p: &mut Product) {
+    let threads = rayon::current_num_threads();
+    // Bytes of a matrix's whole tasks (its last one may be shorter).
+    let step = |m: &QuantMatrix| QuantMatrix::CHUNK * m.group_bytes();
+    p.first_task.clear();
+    p.first_task.push(0);
+    let mut total = 0;
+    for m in mats {
+        let groups = m.rows.div_ceil(ROWS);
+        p.first_task
+            .push(p.first_task.last().unwrap() + groups.div_ceil(QuantMatrix::CHUNK));
+        total += groups * m.group_bytes();
+    }
+    let tasks = *p.first_task.last().unwrap();
+    p.runs.clear();
+    let mut share_start = 0;
+    for share in 1..=threads {
+        // Share `share - 1` ends where the first task starting at or past `share / threads` of
+        // the bytes begins: task j of matrix k starts at before_k + j * step_k bytes.
+        let end = if share == threads {
+            tasks
+        } else {
+            let goal = total * share;
+            let mut before = 0;
+            let mut end = tasks;
+            for (k, m) in mats.iter().enumerate() {
+                let (count, step) = (p.first_task[k + 1] - p.first_task[k], step(m));
+                // The first j with (before + j * step) * threads >= goal.
+                let j = if before * threads >= goal {
+                    0
+                } else {
+                    (goal - before * threads).div_ceil(step * threads)
+                };
+                if j < count {
+                    end = p.first_task[k] + j;
+                    break;
+                }
+                before += m.rows.div_ceil(ROWS) * m.group_bytes();
+            }
+            end.max(share_start)
+        };
+        halving_runs(&mut p.runs, share_start..end);
+        share_start = end;
+    }
+}
+
+/// Runs tasks `range` (numbered across `mats`, see [`plan_shares`]).
+fn run_tasks(
+    mats: &[&QuantMatrix],
+    p: &Product,
+    range: std::ops::Range<usize>,
+    path: Path,
+    n: usize,
+) {
+    let mut k = p.first_task.partition_point(|&f| f <= range.start) - 1;
+    for t in range {
+        while t >= p.first_task[k + 1] {
+            k += 1;
+        }
+        let m = mats[k];
+        let g0 = (t - p.first_task[k]) * QuantMatrix::CHUNK;
+        let count = QuantMatrix::CHUNK.min(m.rows.div_ceil(ROWS) - g0);
+        m.chunk(g0, count, &p.acts[p.act_of[k]], path, n, &p.outs[k]);
+    }
 }
 
 thread_local! {
@@ -1921,6 +1963,70 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The plan's runs cover every task once, in order, and the threads' shares of the weight
+    /// bytes differ by less than two tasks' (each share ends at the first task past its part).
+    #[test]
+    fn the_plan_covers_every_task_once_in_shares_of_equal_bytes() {
+        let shapes = [
+            vec![(960, 576, QuantFormat::Q4_1)],
+            vec![
+                (1536, 1536, QuantFormat::Q4_K),
+                (256, 1536, QuantFormat::Q4_K),
+                (256, 1536, QuantFormat::Q6_K),
+            ],
+            vec![
+                (33, 256, QuantFormat::Q4_K),
+                (5, 256, QuantFormat::Q6_K),
+                (700, 256, QuantFormat::Q8_0),
+            ],
+            vec![(17, 64, QuantFormat::Q4_0)],
+        ];
+        for shapes in shapes {
+            let ms: Vec<QuantMatrix> = shapes
+                .iter()
+                .map(|&(r, c, f)| {
+                    let bytes = r * c / f.ggml_block_elems() * f.ggml_block_bytes();
+                    QuantMatrix::from_ggml(f, r, c, &vec![0u8; bytes]).unwrap()
+                })
+                .collect();
+            let mats: Vec<&QuantMatrix> = ms.iter().collect();
+            let mut p = Product::default();
+            plan_shares(&mats, &mut p);
+            let threads = rayon::current_num_threads();
+            assert_eq!(p.runs.len(), threads * RUNS_PER_THREAD);
+            let tasks = *p.first_task.last().unwrap();
+            let mut at = 0;
+            for r in &p.runs {
+                assert_eq!(r.start, at, "{shapes:?}: runs in order, none missing");
+                at = r.end;
+            }
+            assert_eq!(at, tasks, "{shapes:?}");
+            // Each task's bytes, and each thread's share of them.
+            let bytes: Vec<usize> = mats
+                .iter()
+                .flat_map(|m| {
+                    let groups = m.rows.div_ceil(ROWS);
+                    (0..groups)
+                        .step_by(QuantMatrix::CHUNK)
+                        .map(move |g0| QuantMatrix::CHUNK.min(groups - g0) * m.group_bytes())
+                })
+                .collect();
+            assert_eq!(bytes.len(), tasks);
+            let shares: Vec<usize> = p
+                .runs
+                .chunks(RUNS_PER_THREAD)
+                .map(|runs| {
+                    bytes[runs[0].start..runs[RUNS_PER_THREAD - 1].end]
+                        .iter()
+                        .sum()
+                })
+                .collect();
+            let largest_task = *bytes.iter().max().unwrap();
+            let (lo, hi) = (shares.iter().min().unwrap(), shares.iter().max().unwrap());
+            assert!(hi - lo < 2 * largest_task, "{shapes:?}: shares {shares:?}");
         }
     }
 
