@@ -830,13 +830,11 @@ fn plan_shares(mats: &[&QuantMatrix], p: &mut Product) {
     let step = |m: &QuantMatrix| QuantMatrix::CHUNK * m.group_bytes();
     p.first_task.clear();
     p.first_task.push(0);
-    let mut total = 0;
     for m in mats {
-        let groups = m.rows.div_ceil(ROWS);
-        p.first_task
-            .push(p.first_task.last().unwrap() + groups.div_ceil(QuantMatrix::CHUNK));
-        total += groups * m.group_bytes();
+        let tasks = m.rows.div_ceil(ROWS).div_ceil(QuantMatrix::CHUNK);
+        p.first_task.push(p.first_task.last().unwrap() + tasks);
     }
+    let total: usize = mats.iter().map(|m| m.bytes()).sum();
     let tasks = *p.first_task.last().unwrap();
     p.runs.clear();
     let mut share_start = 0;
@@ -861,7 +859,7 @@ fn plan_shares(mats: &[&QuantMatrix], p: &mut Product) {
                     end = p.first_task[k] + j;
                     break;
                 }
-                before += m.rows.div_ceil(ROWS) * m.group_bytes();
+                before += m.bytes();
             }
             end.max(share_start)
         };
