@@ -9,11 +9,12 @@
 //! are small, and a row's result then depends on nothing but the row.
 //!
 //! The cache may hold f32 or f16 values ([`KvRows`]). f16 halves the bytes every decoded token
-//! reads from a long context (and the memory a session holds); each row is widened to f32 as it is
-//! read (exact), so attention over an f16 cache gives the bits of f32 attention over the stored
-//! values.
+//! reads from a long context (and the memory a session holds); each value is converted to f32 as
+//! it is loaded (exact), so attention over an f16 cache gives the bits of f32 attention over the
+//! stored values. A decoding step's few rows convert the cache's rows in registers; a tree's many
+//! rows read a block's rows widened once into a buffer.
 
-use crate::lanes::{self, dispatch, Arith, SyncPtr};
+use crate::lanes::{self, dispatch, Arith, CacheValue, SyncPtr};
 use crate::team;
 
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
@@ -52,39 +53,44 @@ impl KvRows<'_> {
     }
 }
 
+/// The most rows (of nodes and query heads) that read a block's f16 K or V rows from the cache
+/// in place, each converting them as it loads them. Past this (trees), the block's rows are
+/// widened once into a buffer that every row then reads. Both give the same bits; converting in
+/// place saves a decoding step's rows the store and reload of their few uses each.
+const IN_PLACE_ROWS: usize = 16;
+
 /// `count` rows of `len` values of `cache`, the first at element `first` and each `stride` after
-/// the one before, as f32: `(values, offset of the first row, stride)`. An f32 cache is read in
-/// place; an f16 one is widened into `buf` (asking for the rows a few ahead of the widening).
+/// the one before, widened to f32 into `buf` one after another (asking for the rows a few ahead
+/// of the widening).
 #[inline(always)]
-fn rows_f32<'a, A: Arith>(
-    cache: KvRows<'a>,
+fn widen_rows<'b, A: Arith, E: CacheValue>(
+    cache: &[E],
     first: usize,
     stride: usize,
     count: usize,
     len: usize,
-    buf: &'a mut Vec<f32>,
-) -> (&'a [f32], usize, usize) {
-    match cache {
-        KvRows::F32(c) => (c, first, stride),
-        KvRows::F16(c) => {
-            // About 2 KB ahead, at least 8 rows: a V task's rows are one cache line each.
-            let ahead_rows = (AHEAD_BYTES / (2 * len).max(1)).max(8);
-            // Grown once per task, not zeroed per chunk: every value is written below.
-            if buf.len() < count * len {
-                buf.resize(count * len, 0.0);
-            }
-            for r in 0..count {
-                let ahead = c.as_ptr().wrapping_add(first + (r + ahead_rows) * stride);
-                // `len` halves span the bytes of `len / 2` floats.
-                prefetch_lines::<A>(ahead as *const f32, len.div_ceil(2));
-                A::widen(&c[first + r * stride..][..len], &mut buf[r * len..][..len]);
-            }
-            (&buf[..count * len], 0, len)
-        }
+    buf: &'b mut Vec<f32>,
+) -> &'b [f32] {
+    // About 2 KB ahead, at least 8 rows: a V task's rows are one cache line each.
+    let ahead_rows = (AHEAD_BYTES / (std::mem::size_of::<E>() * len).max(1)).max(8);
+    // Grown once per thread, not zeroed per block: every value is written below.
+    if buf.len() < count * len {
+        buf.resize(count * len, 0.0);
     }
+    for r in 0..count {
+        let ahead = cache
+            .as_ptr()
+            .wrapping_add(first + (r + ahead_rows) * stride);
+        prefetch_lines::<A, E>(ahead, len);
+        A::widen(
+            &cache[first + r * stride..][..len],
+            &mut buf[r * len..][..len],
+        );
+    }
+    &buf[..count * len]
 }
 
-/// How far ahead, in bytes of f16 rows, widening asks for the rows it will widen.
+/// How far ahead, in bytes of cache rows, widening asks for the rows it will widen.
 const AHEAD_BYTES: usize = 2048;
 
 std::thread_local! {
@@ -92,27 +98,8 @@ std::thread_local! {
     /// are a few KB, and allocating (and zeroing) them afresh for every task of every layer
     /// measured about a tenth of attention's time.
     static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
-}
-
-/// `cache[range]` as f32: borrowed from an f32 cache, widened from an f16 one into `buf`.
-fn region_f32<'a>(
-    cache: KvRows<'a>,
-    range: std::ops::Range<usize>,
-    buf: &'a mut Vec<f32>,
-) -> &'a [f32] {
-    #[inline(always)]
-    fn widen<A: Arith>(src: &[half::f16], dst: &mut [f32]) {
-        A::widen(src, dst)
-    }
-    match cache {
-        KvRows::F32(c) => &c[range],
-        KvRows::F16(c) => {
-            // Every element is overwritten: only a change of length writes anything here.
-            buf.resize(range.len(), 0.0);
-            dispatch!(widen::<A>(src: &[half::f16] = &c[range], dst: &mut [f32] = buf));
-            buf
-        }
-    }
+    /// Each thread's weighted-sum accumulators, kept the same way.
+    static ACCUMULATORS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// A call's bookkeeping, kept per thread from call to call: a forward makes a call per layer and
@@ -128,8 +115,6 @@ struct Scratch {
     offsets: Vec<usize>,
     scores: Vec<f32>,
     inv_sums: Vec<f32>,
-    tree_k: Vec<f32>,
-    tree_v: Vec<f32>,
 }
 
 std::thread_local! {
@@ -158,6 +143,30 @@ pub fn tree_attention(
     q: &[f32],
     k: KvRows<'_>,
     v: KvRows<'_>,
+    past: usize,
+    first: usize,
+    ancestors: &[u64],
+    words_per_node: usize,
+    out: &mut [f32],
+) {
+    match (k, v) {
+        (KvRows::F32(k), KvRows::F32(v)) => {
+            attend(shape, q, k, v, past, first, ancestors, words_per_node, out)
+        }
+        (KvRows::F16(k), KvRows::F16(v)) => {
+            attend(shape, q, k, v, past, first, ancestors, words_per_node, out)
+        }
+        _ => panic!("K and V caches of different value types"),
+    }
+}
+
+/// [`tree_attention`] on a cache of `E` values (read in place: see [`CacheValue`]).
+#[allow(clippy::too_many_arguments)]
+fn attend<E: CacheValue>(
+    shape: AttentionShape,
+    q: &[f32],
+    k: &[E],
+    v: &[E],
     past: usize,
     first: usize,
     ancestors: &[u64],
@@ -216,15 +225,11 @@ pub fn tree_attention(
     // Every score is written below (step 1 the prefix's, step 2 the tree's), every sum too.
     s.scores.resize(*s.offsets.last().unwrap(), 0.0);
     s.inv_sums.resize(n * n_heads, 0.0);
-    // The tree's own rows (a few positions, or a whole prompt) widened once, not per query.
-    let tree = past * kv_row..(past + first + n) * kv_row;
     let a = Attention {
         shape,
         q,
         k,
         v,
-        tree_k: region_f32(k, tree.clone(), &mut s.tree_k),
-        tree_v: region_f32(v, tree, &mut s.tree_v),
         past,
         n,
         group: n_heads / n_kv_heads,
@@ -245,8 +250,8 @@ pub fn tree_attention(
         // streams a contiguous part of the cache.
         let (kh, c) = (t % n_kv_heads, t / n_kv_heads);
         let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
-        dispatch!(prefix_scores::<A>(
-            a: &Attention = &a,
+        dispatch!(<E: CacheValue> prefix_scores::<A, E>(
+            a: &Attention<E> = &a,
             kh: usize = kh,
             positions: std::ops::Range<usize> = positions,
             scores: &SyncPtr = &scores_ptr,
@@ -269,7 +274,7 @@ pub fn tree_attention(
                 &mut *inv_ptr.0.add(r),
             )
         };
-        *inv = dispatch!(softmax_row::<A>(a: &Attention = &a, r: usize = r, row: &mut [f32] = row) -> f32);
+        *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(a: &Attention<E> = &a, r: usize = r, row: &mut [f32] = row) -> f32);
     });
 
     // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
@@ -286,8 +291,8 @@ pub fn tree_attention(
                 let chunks = head_dim / $d;
                 team::for_each(n_kv_heads * chunks, |t| {
                     let (kh, d0) = (t / chunks, (t % chunks) * $d);
-                    dispatch!(weighted_values::<A, $d>(
-                        a: &Attention = &a,
+                    dispatch!(<E: CacheValue> weighted_values::<A, E, $d>(
+                        a: &Attention<E> = &a,
                         kh: usize = kh,
                         d0: usize = d0,
                         w: &Weights = &w,
@@ -304,14 +309,11 @@ pub fn tree_attention(
 }
 
 /// The inputs of one call, shared by its tasks.
-struct Attention<'a> {
+struct Attention<'a, E> {
     shape: AttentionShape,
     q: &'a [f32],
-    k: KvRows<'a>,
-    v: KvRows<'a>,
-    /// K and V of the tree's positions (`past..`), as f32, `[tree position, kv head, dim]`.
-    tree_k: &'a [f32],
-    tree_v: &'a [f32],
+    k: &'a [E],
+    v: &'a [E],
     past: usize,
     n: usize,
     group: usize,
@@ -321,7 +323,7 @@ struct Attention<'a> {
     offsets: &'a [usize],
 }
 
-impl Attention<'_> {
+impl<E> Attention<'_, E> {
     /// The tree positions (absolute) node `i` sees: its ancestors and itself, by depth.
     fn visible(&self, i: usize) -> &[usize] {
         &self.visible[self.visible_at[i]..self.visible_at[i + 1]]
@@ -332,10 +334,9 @@ impl Attention<'_> {
         &self.q[(i * self.shape.n_heads + h) * hd..][..hd]
     }
 
-    /// Where kv head `kh`'s dimension `d0` of tree position `pos` (absolute) lies in `tree_k`
-    /// and `tree_v`.
-    fn tree_at(&self, pos: usize, kh: usize, d0: usize) -> usize {
-        ((pos - self.past) * self.shape.n_kv_heads + kh) * self.shape.head_dim + d0
+    /// Where kv head `kh`'s dimension `d0` of position `pos` lies in the K and V caches.
+    fn at(&self, pos: usize, kh: usize, d0: usize) -> usize {
+        (pos * self.shape.n_kv_heads + kh) * self.shape.head_dim + d0
     }
 }
 
@@ -351,45 +352,58 @@ const SCORE_BLOCK: usize = 8;
 /// How far ahead (in positions) a task's first query asks for the K rows it will read.
 const PREFETCH_AHEAD: usize = 16;
 
-/// Asks for the cache lines of `len` floats at `p`. A plain counted loop: `step_by`'s iterator
+/// Asks for the cache lines of `len` values at `p`. A plain counted loop: `step_by`'s iterator
 /// measured several per cent of attention's time here.
 #[inline(always)]
-fn prefetch_lines<A: Arith>(p: *const f32, len: usize) {
+fn prefetch_lines<A: Arith, E>(p: *const E, len: usize) {
+    let (p, bytes) = (p as *const u8, len * std::mem::size_of::<E>());
     let mut line = 0;
-    while line < len {
+    while line < bytes {
         A::prefetch(p.wrapping_add(line));
-        line += 16;
+        line += 64;
     }
 }
 
-/// Prefix scores of every node and query head of kv head `kh` at `positions`. The first query
-/// streams the K rows from memory (asked for ahead); the others find them in L1.
+/// Prefix scores of every node and query head of kv head `kh` at `positions`: from the cache in
+/// place, or (f16, many rows) from the positions' rows widened once.
 #[inline(always)]
-fn prefix_scores<A: Arith>(
-    a: &Attention,
+fn prefix_scores<A: Arith, E: CacheValue>(
+    a: &Attention<E>,
     kh: usize,
     positions: std::ops::Range<usize>,
     scores: &SyncPtr,
 ) {
     let hd = a.shape.head_dim;
-    // The chunk's K rows of kv head kh: in the cache (f32), or widened into `buf` (f16).
-    let mut buf = WIDENED.take();
-    let (k, k0, stride) = rows_f32::<A>(
-        a.k,
-        (positions.start * a.shape.n_kv_heads + kh) * hd,
-        a.shape.n_kv_heads * hd,
-        positions.len(),
-        hd,
-        &mut buf,
-    );
+    let (first, stride) = (a.at(positions.start, kh, 0), a.shape.n_kv_heads * hd);
+    if E::HALF && a.n * a.group > IN_PLACE_ROWS {
+        let mut buf = WIDENED.take();
+        let k = widen_rows::<A, E>(a.k, first, stride, positions.len(), hd, &mut buf);
+        // Widened rows were asked for as they were widened, and are in cache now.
+        score_rows::<A, E, f32>(a, kh, positions, (k, 0, hd), false, scores);
+        WIDENED.set(buf);
+    } else {
+        score_rows::<A, E, E>(a, kh, positions, (a.k, first, stride), true, scores);
+    }
+}
+
+/// [`prefix_scores`] from the K rows `(k, k0, stride)`: `positions`' `i`th row at
+/// `k[k0 + i * stride..]`. The first query streams the rows from memory (asked for ahead where
+/// `ask_ahead`); the others find them in L1.
+#[inline(always)]
+fn score_rows<A: Arith, E, T: CacheValue>(
+    a: &Attention<E>,
+    kh: usize,
+    positions: std::ops::Range<usize>,
+    (k, k0, stride): (&[T], usize, usize),
+    ask_ahead: bool,
+    scores: &SyncPtr,
+) {
+    let hd = a.shape.head_dim;
     let k_at = |pos: usize| k0 + (pos - positions.start) * stride;
     let k_row = |pos: usize| &k[k_at(pos)..][..hd];
-    // Rows read in place stream from memory: ask for them ahead of each block of eight (widened
-    // rows were asked for as they were widened, and are in cache now).
-    let in_place = matches!(a.k, KvRows::F32(_));
     let k_ahead = |pos: usize| {
-        if in_place {
-            prefetch_lines::<A>(k.as_ptr().wrapping_add(k_at(pos)), hd)
+        if ask_ahead {
+            prefetch_lines::<A, T>(k.as_ptr().wrapping_add(k_at(pos)), hd)
         }
     };
     for pos in positions.start..positions.start + PREFETCH_AHEAD {
@@ -423,19 +437,18 @@ fn prefix_scores<A: Arith>(
         }
         pos += len;
     }
-    WIDENED.set(buf);
 }
 
 /// Fills in the row's tree scores, turns the row into unnormalised weights and returns one over
 /// their sum.
 #[inline(always)]
-fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
+fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, row: &mut [f32]) -> f32 {
     let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);
     let (q, kh, hd) = (a.query(i, h), h / a.group, a.shape.head_dim);
     for (t, &pos) in a.visible(i).iter().enumerate() {
         // The same code as the prefix's scores: a position scores the same bits whether it is
         // committed or an ancestor in the tree.
-        row[a.past + t] = A::dots(q, [&a.tree_k[a.tree_at(pos, kh, 0)..][..hd]])[0] * a.scale;
+        row[a.past + t] = A::dots(q, [&a.k[a.at(pos, kh, 0)..][..hd]])[0] * a.scale;
     }
     let max = lanes::max(row);
     // A node always sees itself: the sum is at least 1.
@@ -446,74 +459,109 @@ fn softmax_row<A: Arith>(a: &Attention, r: usize, row: &mut [f32]) -> f32 {
 /// group. The prefix goes in blocks of positions, each block's V rows (a few KB) used by every
 /// node and head while they are in L1; then each node's tree positions.
 #[inline(always)]
-fn weighted_values<A: Arith, const D: usize>(a: &Attention, kh: usize, d0: usize, w: &Weights) {
+fn weighted_values<A: Arith, E: CacheValue, const D: usize>(
+    a: &Attention<E>,
+    kh: usize,
+    d0: usize,
+    w: &Weights,
+) {
     const BLOCK: usize = 64;
-    let hd = a.shape.head_dim;
-    let nkv = a.shape.n_kv_heads;
-    let rows: Vec<usize> = (0..a.n)
-        .flat_map(|i| (kh * a.group..(kh + 1) * a.group).map(move |h| i * a.shape.n_heads + h))
-        .collect();
-    let mut acc = vec![[[0f32; D]; 2]; rows.len()];
-    let weights = |r: usize| &w.scores[a.offsets[r]..a.offsets[r + 1]];
-    let row_weights: Vec<&[f32]> = rows.iter().map(|&r| weights(r)).collect();
-    let prefix = |t: usize| (t * nkv + kh) * hd + d0;
-    let mut buf = WIDENED.take();
+    // The task's rows: row j is node j / group's head kh * group + j % group.
+    let rows = a.n * a.group;
+    let row_of = |j: usize| (j / a.group) * a.shape.n_heads + kh * a.group + j % a.group;
+    let weights_of = |j: usize| {
+        let r = row_of(j);
+        &w.scores[a.offsets[r]..a.offsets[r + 1]]
+    };
+    let at = |t: usize| a.at(t, kh, d0);
+    let ask = |ts: std::ops::Range<usize>| {
+        for t in ts {
+            prefetch_lines::<A, E>(a.v.as_ptr().wrapping_add(at(t)), D);
+        }
+    };
+    let mut buf = ACCUMULATORS.take();
+    buf.clear();
+    buf.resize(rows * 2 * D, 0.0);
+    let acc = buf.as_chunks_mut::<D>().0.as_chunks_mut::<2>().0;
+    let widen = E::HALF && rows > IN_PLACE_ROWS;
+    let mut widened = WIDENED.take();
+    if !widen {
+        ask(0..BLOCK.min(a.past));
+    }
     for start in (0..a.past).step_by(BLOCK) {
         let block = start..(start + BLOCK).min(a.past);
-        // The block's V rows: in the cache (f32; the next block's asked for while every row
-        // uses this one), or widened into `buf` (f16, asked for as they are widened).
-        if let KvRows::F32(v) = a.v {
-            for t in start + BLOCK..(start + 2 * BLOCK).min(a.past) {
-                prefetch_lines::<A>(v.as_ptr().wrapping_add(prefix(t)), D);
-            }
-        }
-        let (v, v0, stride) = rows_f32::<A>(a.v, prefix(start), nkv * hd, block.len(), D, &mut buf);
-        let at = |t: usize| v0 + (t - start) * stride;
-        // Rows in runs, each V row loaded once per run.
-        let mut i = 0;
-        while i < rows.len() {
-            let (acc, ws) = (&mut acc[i..], &row_weights[i..]);
-            i += match rows.len() - i {
-                1 => accumulate_run::<A, D, 1>(acc, ws, v, at, block.clone()),
-                2 => accumulate_run::<A, D, 2>(acc, ws, v, at, block.clone()),
-                3 => accumulate_run::<A, D, 3>(acc, ws, v, at, block.clone()),
-                _ => accumulate_run::<A, D, 4>(acc, ws, v, at, block.clone()),
-            };
+        if widen {
+            let stride = a.shape.n_kv_heads * a.shape.head_dim;
+            let v = widen_rows::<A, E>(a.v, at(start), stride, block.len(), D, &mut widened);
+            accumulate_rows::<A, f32, D>(acc, &weights_of, v, |t| (t - start) * D, block);
+        } else {
+            // The next block's V rows asked for while every row uses this one.
+            ask(block.end..(block.end + BLOCK).min(a.past));
+            accumulate_rows::<A, E, D>(acc, &weights_of, a.v, at, block);
         }
     }
-    for ((acc, &r), &ws) in acc.iter_mut().zip(&rows).zip(&row_weights) {
+    WIDENED.set(widened);
+    for (j, acc) in acc.iter_mut().enumerate() {
+        let r = row_of(j);
         let seen = a.visible(r / a.shape.n_heads);
-        let tree = |t: usize| a.tree_at(seen[t - a.past], kh, d0);
         A::accumulate(
             std::array::from_mut(acc),
-            a.tree_v,
-            tree,
+            a.v,
+            |t| at(seen[t - a.past]),
             a.past..a.past + seen.len(),
-            [ws],
+            [weights_of(j)],
         );
-        let o = r * hd + d0;
+        let o = r * a.shape.head_dim + d0;
         for (d, (even, odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
             // SAFETY: dimensions d0..d0 + D of row r are inside `out`, and only the task of
             // (kv head kh, these dimensions) writes them.
             unsafe { *w.out.0.add(o + d) = (even + odd) * w.inv_sums[r] };
         }
     }
-    WIDENED.set(buf);
+    ACCUMULATORS.set(buf);
 }
 
-/// [`Arith::accumulate`] for the first `R` rows of `acc` and `weights`; returns `R`.
+/// Every row's `acc[j] += weights_of(j)[t] * v[at(t)..][..D]` for `t` in `ts` (see
+/// [`Arith::accumulate`]), the rows in runs of up to four: each V row is loaded once per run.
 #[inline(always)]
-fn accumulate_run<A: Arith, const D: usize, const R: usize>(
+fn accumulate_rows<'w, A: Arith, T: CacheValue, const D: usize>(
     acc: &mut [[[f32; D]; 2]],
-    weights: &[&[f32]],
-    v: &[f32],
+    weights_of: &impl Fn(usize) -> &'w [f32],
+    v: &[T],
+    at: impl Fn(usize) -> usize + Copy,
+    ts: std::ops::Range<usize>,
+) {
+    let mut j = 0;
+    while j < acc.len() {
+        let run = &mut acc[j..];
+        j += match run.len() {
+            1 => accumulate_run::<A, T, D, 1>(run, j, weights_of, v, at, ts.clone()),
+            2 => accumulate_run::<A, T, D, 2>(run, j, weights_of, v, at, ts.clone()),
+            3 => accumulate_run::<A, T, D, 3>(run, j, weights_of, v, at, ts.clone()),
+            _ => accumulate_run::<A, T, D, 4>(run, j, weights_of, v, at, ts.clone()),
+        };
+    }
+}
+
+/// [`Arith::accumulate`] for the `R` rows from row `first` on (`acc` starts at that row);
+/// returns `R`.
+#[inline(always)]
+fn accumulate_run<'w, A: Arith, T: CacheValue, const D: usize, const R: usize>(
+    acc: &mut [[[f32; D]; 2]],
+    first: usize,
+    weights_of: &impl Fn(usize) -> &'w [f32],
+    v: &[T],
     at: impl Fn(usize) -> usize,
     ts: std::ops::Range<usize>,
 ) -> usize {
     let acc: &mut [[[f32; D]; 2]; R] = (&mut acc[..R]).try_into().expect("R rows");
-    let mut w: [&[f32]; R] = [&[]; R];
-    w.copy_from_slice(&weights[..R]);
-    A::accumulate(acc, v, at, ts, w);
+    A::accumulate(
+        acc,
+        v,
+        at,
+        ts,
+        std::array::from_fn(|k| weights_of(first + k)),
+    );
     R
 }
 

@@ -12,25 +12,25 @@ pub(crate) trait Arith {
 
     /// Dot products of `a` with each of `R` vectors: eight lane accumulators in order, then
     /// [`hsum8`], then the tail; the `R` chains are interleaved so they overlap, and each result
-    /// is the bits `dots::<1>(a, [b[j]])` gives.
+    /// is the bits `dots::<1>(a, [b[j]])` gives (for f16 vectors, the bits of their f32 values).
     #[inline(always)]
-    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
-        dots_lanes::<Self, R>(a, b)
+    fn dots<E: CacheValue, const R: usize>(a: &[f32], b: [&[E]; R]) -> [f32; R] {
+        dots_lanes::<Self, E, R>(a, b)
     }
 
     /// `out[p] = dots(a, [row p])[0] * scale` for the eight rows `b[offset + p * stride..]` of a
     /// strided matrix (attention's K rows of one kv head): the bits of [`Arith::dots`], without
     /// slices to build or results to pass through memory.
     #[inline(always)]
-    fn scaled_dots8(
+    fn scaled_dots8<E: CacheValue>(
         a: &[f32],
-        b: &[f32],
+        b: &[E],
         offset: usize,
         stride: usize,
         scale: f32,
         out: &mut [f32],
     ) {
-        scaled_dots8_rows::<Self>(a, b, offset, stride, scale, out)
+        scaled_dots8_rows::<Self, E>(a, b, offset, stride, scale, out)
     }
 
     /// Replaces each score `s` by `exp(s - max)` and returns their sum (8 lanes, then the tail).
@@ -41,11 +41,11 @@ pub(crate) trait Arith {
 
     /// Asks for the cache line at `p` ahead of its use (never faults, whatever the address).
     #[inline(always)]
-    fn prefetch(_p: *const f32) {}
+    fn prefetch(_p: *const u8) {}
 
-    /// `dst[i] = src[i]` as f32 (exact: every f16 is an f32), for the first `src.len()` values.
+    /// `dst[i] = src[i]` as f32 (exact), for the first `src.len()` values.
     #[inline(always)]
-    fn widen(src: &[half::f16], dst: &mut [f32]) {
+    fn widen<E: CacheValue>(src: &[E], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = s.to_f32();
         }
@@ -56,30 +56,56 @@ pub(crate) trait Arith {
     /// at the end. A row's bits are those it gets alone (`R = 1`), and splitting a range into
     /// consecutive calls gives the same bits as one call.
     #[inline(always)]
-    fn accumulate<const D: usize, const R: usize>(
+    fn accumulate<E: CacheValue, const D: usize, const R: usize>(
         acc: &mut [[[f32; D]; 2]; R],
-        cache: &[f32],
+        cache: &[E],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
         weights: [&[f32]; R],
     ) {
         for (acc, w) in acc.iter_mut().zip(weights) {
-            accumulate_lanes::<Self, D>(acc, cache, &at, ts.clone(), w)
+            accumulate_lanes::<Self, E, D>(acc, cache, &at, ts.clone(), w)
         }
+    }
+}
+
+/// A value of the K/V cache as the attention loops read it: f32, or f16 converted to f32 as it
+/// is loaded, in registers. Every f16 is an f32, so the loops give an f16 cache the bits of f32
+/// arithmetic on the same values, without widening its rows into a buffer first (which took
+/// about a third of a decoding step's attention).
+pub(crate) trait CacheValue: Copy + Send + Sync + 'static {
+    /// Whether the value is an f16 (the SIMD loads convert eight or sixteen at once).
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+}
+
+impl CacheValue for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl CacheValue for half::f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
     }
 }
 
 /// [`Arith::scaled_dots8`] through [`Arith::dots`] on eight row slices.
 #[inline(always)]
-fn scaled_dots8_rows<A: Arith + ?Sized>(
+fn scaled_dots8_rows<A: Arith + ?Sized, E: CacheValue>(
     a: &[f32],
-    b: &[f32],
+    b: &[E],
     offset: usize,
     stride: usize,
     scale: f32,
     out: &mut [f32],
 ) {
-    let mut rows: [&[f32]; 8] = [&[]; 8];
+    let mut rows: [&[E]; 8] = [&[]; 8];
     for (p, r) in rows.iter_mut().enumerate() {
         *r = &b[offset + p * stride..][..a.len()];
     }
@@ -89,9 +115,9 @@ fn scaled_dots8_rows<A: Arith + ?Sized>(
 }
 
 #[inline(always)]
-fn accumulate_lanes<A: Arith + ?Sized, const D: usize>(
+fn accumulate_lanes<A: Arith + ?Sized, E: CacheValue, const D: usize>(
     acc: &mut [[f32; D]; 2],
-    cache: &[f32],
+    cache: &[E],
     at: impl Fn(usize) -> usize,
     ts: std::ops::Range<usize>,
     weights: &[f32],
@@ -99,7 +125,7 @@ fn accumulate_lanes<A: Arith + ?Sized, const D: usize>(
     for t in ts {
         let row = &cache[at(t)..][..D];
         for (a, x) in acc[t % 2].iter_mut().zip(row) {
-            *a = A::madd(weights[t], *x, *a);
+            *a = A::madd(weights[t], x.to_f32(), *a);
         }
     }
 }
@@ -126,8 +152,8 @@ impl Arith for Fused {
     }
 
     #[inline(always)]
-    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
-        // SAFETY: `Fused` only runs inside `avx2,fma` functions (see `dispatch`).
+    fn dots<E: CacheValue, const R: usize>(a: &[f32], b: [&[E]; R]) -> [f32; R] {
+        // SAFETY: `Fused` only runs inside `avx2,fma,f16c` functions (see `dispatch`).
         unsafe { fused::dots(a, b) }
     }
 
@@ -138,21 +164,21 @@ impl Arith for Fused {
     }
 
     #[inline(always)]
-    fn prefetch(p: *const f32) {
+    fn prefetch(p: *const u8) {
         // SAFETY: a prefetch never faults.
         unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) }
     }
 
     #[inline(always)]
-    fn widen(src: &[half::f16], dst: &mut [f32]) {
-        // SAFETY: as above (the dispatched functions have F16C too).
+    fn widen<E: CacheValue>(src: &[E], dst: &mut [f32]) {
+        // SAFETY: as above.
         unsafe { fused::widen(src, dst) }
     }
 
     #[inline(always)]
-    fn accumulate<const D: usize, const R: usize>(
+    fn accumulate<E: CacheValue, const D: usize, const R: usize>(
         acc: &mut [[[f32; D]; 2]; R],
-        cache: &[f32],
+        cache: &[E],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
         weights: [&[f32]; R],
@@ -163,7 +189,7 @@ impl Arith for Fused {
                 // SAFETY: as above.
                 unsafe { fused::accumulate(acc, cache, &at, ts.clone(), w) }
             } else {
-                accumulate_lanes::<Self, D>(acc, cache, &at, ts.clone(), w)
+                accumulate_lanes::<Self, E, D>(acc, cache, &at, ts.clone(), w)
             }
         }
     }
@@ -247,15 +273,15 @@ impl Arith for Wide {
     }
 
     #[inline(always)]
-    fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
-        // SAFETY: `Wide` only runs inside `avx512f` functions (see `dispatch`).
+    fn dots<E: CacheValue, const R: usize>(a: &[f32], b: [&[E]; R]) -> [f32; R] {
+        // SAFETY: `Wide` only runs inside `avx512f,avx2,fma,f16c` functions (see `dispatch`).
         unsafe { wide::dots(a, b) }
     }
 
     #[inline(always)]
-    fn scaled_dots8(
+    fn scaled_dots8<E: CacheValue>(
         a: &[f32],
-        b: &[f32],
+        b: &[E],
         offset: usize,
         stride: usize,
         scale: f32,
@@ -265,7 +291,7 @@ impl Arith for Wide {
             // SAFETY: as above.
             unsafe { wide::scaled_dots8(a, b, offset, stride, scale, out) }
         } else {
-            scaled_dots8_rows::<Self>(a, b, offset, stride, scale, out)
+            scaled_dots8_rows::<Self, E>(a, b, offset, stride, scale, out)
         }
     }
 
@@ -276,20 +302,20 @@ impl Arith for Wide {
     }
 
     #[inline(always)]
-    fn prefetch(p: *const f32) {
+    fn prefetch(p: *const u8) {
         Fused::prefetch(p)
     }
 
     #[inline(always)]
-    fn widen(src: &[half::f16], dst: &mut [f32]) {
-        // SAFETY: as above (the dispatched functions have F16C too).
+    fn widen<E: CacheValue>(src: &[E], dst: &mut [f32]) {
+        // SAFETY: as above.
         unsafe { wide::widen(src, dst) }
     }
 
     #[inline(always)]
-    fn accumulate<const D: usize, const R: usize>(
+    fn accumulate<E: CacheValue, const D: usize, const R: usize>(
         acc: &mut [[[f32; D]; 2]; R],
-        cache: &[f32],
+        cache: &[E],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
         weights: [&[f32]; R],
@@ -308,7 +334,7 @@ impl Arith for Wide {
 /// as [`hsum8`].
 #[cfg(target_arch = "x86_64")]
 mod wide {
-    use super::fused;
+    use super::{fused, CacheValue};
     use std::arch::x86_64::*;
 
     /// `lo + hi` of a 16-lane vector.
@@ -319,11 +345,22 @@ mod wide {
         _mm256_add_ps(_mm512_castps512_ps256(v), hi)
     }
 
+    /// Sixteen cache values from `p` as f32 (f16 converted exactly).
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load16<E: CacheValue>(p: *const E) -> __m512 {
+        if E::HALF {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dots<E: CacheValue, const R: usize>(a: &[f32], b: [&[E]; R]) -> [f32; R] {
         let chunks = a.len() / 16;
-        let mut bp = [std::ptr::null::<f32>(); R];
+        let mut bp = [std::ptr::null::<E>(); R];
         for j in 0..R {
             assert!(b[j].len() >= a.len(), "vectors differ in length");
             bp[j] = b[j].as_ptr();
@@ -332,13 +369,13 @@ mod wide {
         for c in 0..chunks {
             let x = _mm512_loadu_ps(a.as_ptr().add(16 * c));
             for j in 0..R {
-                s[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(bp[j].add(16 * c)), s[j]);
+                s[j] = _mm512_fmadd_ps(x, load16(bp[j].add(16 * c)), s[j]);
             }
         }
         let mut tails = [0f32; R];
         for j in 0..R {
             for (x, y) in a[chunks * 16..].iter().zip(&b[j][chunks * 16..]) {
-                tails[j] = x.mul_add(*y, tails[j]);
+                tails[j] = x.mul_add(y.to_f32(), tails[j]);
             }
         }
         let mut folded = [_mm256_setzero_ps(); R];
@@ -351,10 +388,10 @@ mod wide {
     /// [`super::Arith::scaled_dots8`] for a length that is a multiple of 16: [`dots`]'s
     /// operations (no tail; the sum of the tails, 0, still added) on raw pointers.
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn scaled_dots8(
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn scaled_dots8<E: CacheValue>(
         a: &[f32],
-        b: &[f32],
+        b: &[E],
         offset: usize,
         stride: usize,
         scale: f32,
@@ -370,7 +407,7 @@ mod wide {
         for c in 0..n / 16 {
             let x = _mm512_loadu_ps(a.as_ptr().add(16 * c));
             for (p, s) in s.iter_mut().enumerate() {
-                *s = _mm512_fmadd_ps(x, _mm512_loadu_ps(base.add(p * stride + 16 * c)), *s);
+                *s = _mm512_fmadd_ps(x, load16(base.add(p * stride + 16 * c)), *s);
             }
         }
         let mut folded = [_mm256_setzero_ps(); 8];
@@ -384,12 +421,14 @@ mod wide {
     /// [`super::Arith::widen`], sixteen values an instruction.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn widen(src: &[half::f16], dst: &mut [f32]) {
+    pub unsafe fn widen<E: CacheValue>(src: &[E], dst: &mut [f32]) {
         assert!(dst.len() >= src.len(), "dst too short");
         let chunks = src.len() / 16;
         for c in 0..chunks {
-            let h = _mm256_loadu_si256(src.as_ptr().add(16 * c) as *const __m256i);
-            _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), _mm512_cvtph_ps(h));
+            _mm512_storeu_ps(
+                dst.as_mut_ptr().add(16 * c),
+                load16(src.as_ptr().add(16 * c)),
+            );
         }
         fused::widen(&src[16 * chunks..], &mut dst[16 * chunks..]);
     }
@@ -409,10 +448,10 @@ mod wide {
     /// `D` is a multiple of 16, at most 64, and `R` rows' accumulators fit the registers: each
     /// V row is loaded once for all the rows.
     #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn accumulate<const D: usize, const R: usize>(
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn accumulate<E: CacheValue, const D: usize, const R: usize>(
         acc: &mut [[[f32; D]; 2]; R],
-        cache: &[f32],
+        cache: &[E],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
         weights: [&[f32]; R],
@@ -430,7 +469,7 @@ mod wide {
             let row = cache[at(t)..][..D].as_ptr();
             let mut v = [_mm512_setzero_ps(); 4];
             for (c, v) in v.iter_mut().enumerate().take(D / 16) {
-                *v = _mm512_loadu_ps(row.add(16 * c));
+                *v = load16(row.add(16 * c));
             }
             for r in 0..R {
                 // SAFETY: t < ts.end <= weights[r].len(), checked above.
@@ -465,15 +504,27 @@ mod wide {
 /// The fused loops in 256-bit intrinsics, operation for operation the lane code's.
 #[cfg(target_arch = "x86_64")]
 mod fused {
+    use super::CacheValue;
     use std::arch::x86_64::*;
 
+    /// Eight cache values from `p` as f32 (f16 converted exactly).
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dots<const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<E: CacheValue>(p: *const E) -> __m256 {
+        if E::HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots<E: CacheValue, const R: usize>(a: &[f32], b: [&[E]; R]) -> [f32; R] {
         let chunks = a.len() / 8;
         // Plain loops, no closures: a closure here would not inherit the target features and
         // could stay an out-of-line call in the hot loop.
-        let mut bp = [std::ptr::null::<f32>(); R];
+        let mut bp = [std::ptr::null::<E>(); R];
         for j in 0..R {
             assert!(b[j].len() >= a.len(), "vectors differ in length");
             bp[j] = b[j].as_ptr();
@@ -482,13 +533,13 @@ mod fused {
         for c in 0..chunks {
             let x = _mm256_loadu_ps(a.as_ptr().add(8 * c));
             for j in 0..R {
-                s[j] = _mm256_fmadd_ps(x, _mm256_loadu_ps(bp[j].add(8 * c)), s[j]);
+                s[j] = _mm256_fmadd_ps(x, load8(bp[j].add(8 * c)), s[j]);
             }
         }
         let mut tails = [0f32; R];
         for j in 0..R {
             for (x, y) in a[chunks * 8..].iter().zip(&b[j][chunks * 8..]) {
-                tails[j] = x.mul_add(*y, tails[j]);
+                tails[j] = x.mul_add(y.to_f32(), tails[j]);
             }
         }
         sums_plus_tails(s, tails)
@@ -558,12 +609,11 @@ mod fused {
     /// [`super::Arith::widen`], eight values an instruction.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn widen(src: &[half::f16], dst: &mut [f32]) {
+    pub unsafe fn widen<E: CacheValue>(src: &[E], dst: &mut [f32]) {
         assert!(dst.len() >= src.len(), "dst too short");
         let chunks = src.len() / 8;
         for c in 0..chunks {
-            let h = _mm_loadu_si128(src.as_ptr().add(8 * c) as *const __m128i);
-            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), _mm256_cvtph_ps(h));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), load8(src.as_ptr().add(8 * c)));
         }
         for (d, s) in dst[8 * chunks..].iter_mut().zip(&src[8 * chunks..]) {
             *d = s.to_f32();
@@ -633,10 +683,10 @@ mod fused {
 
     /// `D` is a multiple of 8, at most 32: the accumulators stay in registers.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn accumulate<const D: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn accumulate<E: CacheValue, const D: usize>(
         acc: &mut [[f32; D]; 2],
-        cache: &[f32],
+        cache: &[E],
         at: impl Fn(usize) -> usize,
         ts: std::ops::Range<usize>,
         weights: &[f32],
@@ -655,7 +705,7 @@ mod fused {
             let row = cache[at(t)..][..D].as_ptr();
             let w = _mm256_set1_ps(weights[t]);
             for (c, acc) in acc.iter_mut().enumerate().take(D / 8) {
-                *acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * c)), *acc);
+                *acc = _mm256_fmadd_ps(w, load8(row.add(8 * c)), *acc);
             }
         };
         let mut t = ts.start;
@@ -707,17 +757,18 @@ pub(crate) fn avx512() -> bool {
 /// Calls `$f` (an `#[inline(always)]` function generic over [`Arith`]) compiled for AVX-512
 /// ([`Wide`]) or AVX2+FMA+F16C ([`Fused`]) when the CPU has it. The arguments are written `name: Type = value`: the AVX2 instance is a
 /// function of its own with those parameters, so the generic body is inlined into code that has
-/// the features from the start (unrolled and vectorised with them).
+/// the features from the start (unrolled and vectorised with them). Type parameters of the
+/// caller that the call uses are named first, with their bound: `<E: CacheValue> f::<A, E>(..)`.
 macro_rules! dispatch {
-    ($f:ident :: <A $(, $c:tt)*>($($arg:ident : $ty:ty = $val:expr),* $(,)?) $(-> $ret:ty)?) => {{
+    ($(<$($g:ident : $bound:path),+>)? $f:ident :: <A $(, $c:tt)*>($($arg:ident : $ty:ty = $val:expr),* $(,)?) $(-> $ret:ty)?) => {{
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-            unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn wide$(<$($g: $bound),+>)?($($arg: $ty),*) $(-> $ret)? {
                 $f::<$crate::lanes::Wide $(, $c)*>($($arg),*)
             }
             #[target_feature(enable = "avx2,fma,f16c")]
-            unsafe fn fused($($arg: $ty),*) $(-> $ret)? {
+            unsafe fn fused$(<$($g: $bound),+>)?($($arg: $ty),*) $(-> $ret)? {
                 $f::<$crate::lanes::Fused $(, $c)*>($($arg),*)
             }
             if $crate::lanes::avx512() {
@@ -753,7 +804,10 @@ pub(crate) fn hsum8(v: [f32; 8]) -> f32 {
 }
 
 #[inline(always)]
-fn dots_lanes<A: Arith + ?Sized, const R: usize>(a: &[f32], b: [&[f32]; R]) -> [f32; R] {
+fn dots_lanes<A: Arith + ?Sized, E: CacheValue, const R: usize>(
+    a: &[f32],
+    b: [&[E]; R],
+) -> [f32; R] {
     let (ac, at) = a.as_chunks::<8>();
     let bc = b.map(|y| &y[..a.len()].as_chunks::<8>().0[..ac.len()]);
     let mut s = [[0f32; 8]; R];
@@ -761,14 +815,14 @@ fn dots_lanes<A: Arith + ?Sized, const R: usize>(a: &[f32], b: [&[f32]; R]) -> [
         for j in 0..R {
             let y = &bc[j][c];
             for l in 0..8 {
-                s[j][l] = A::madd(x[l], y[l], s[j][l]);
+                s[j][l] = A::madd(x[l], y[l].to_f32(), s[j][l]);
             }
         }
     }
     std::array::from_fn(|j| {
         let mut tail = 0f32;
         for (x, y) in at.iter().zip(&b[j][ac.len() * 8..a.len()]) {
-            tail = A::madd(*x, *y, tail);
+            tail = A::madd(*x, y.to_f32(), tail);
         }
         hsum8(s[j]) + tail
     })
@@ -1010,11 +1064,81 @@ mod tests {
         plain();
         #[cfg(target_arch = "x86_64")]
         {
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,f16c")]
             unsafe fn fused_check() {
                 check::<Fused>()
             }
-            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+            unsafe fn wide_check() {
+                check::<Wide>()
+            }
+            // SAFETY: each runs only where its features were detected.
+            unsafe {
+                if avx2_fma() {
+                    fused_check();
+                }
+                if avx512() {
+                    wide_check();
+                }
+            }
+        }
+    }
+
+    /// f16 cache values read in registers give the bits their f32 values give, in dots, strided
+    /// scores and weighted sums (on each compilation here; lengths with and without tails).
+    #[test]
+    fn f16_values_give_the_bits_of_their_f32_values() {
+        fn check<A: Arith>() {
+            use half::f16;
+            for n in [64, 40, 7] {
+                let stride = 3 * n;
+                let halves: Vec<f16> = (0..9 * stride)
+                    .map(|i| f16::from_f32(((i * 7919) % 977) as f32 * 0.01 - 4.8))
+                    .collect();
+                let floats: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+                let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+                let rows = |p: usize| {
+                    (
+                        &halves[n + p * stride..][..n],
+                        &floats[n + p * stride..][..n],
+                    )
+                };
+                let (h, f) = (
+                    A::dots(&a, [rows(0).0, rows(1).0]),
+                    A::dots(&a, [rows(0).1, rows(1).1]),
+                );
+                assert_eq!(h.map(f32::to_bits), f.map(f32::to_bits), "dots, n = {n}");
+                let (mut h, mut f) = ([0f32; 8], [0f32; 8]);
+                A::scaled_dots8(&a, &halves, n, stride, 0.125, &mut h);
+                A::scaled_dots8(&a, &floats, n, stride, 0.125, &mut f);
+                assert_eq!(h.map(f32::to_bits), f.map(f32::to_bits), "scores, n = {n}");
+                let weights: Vec<f32> = (0..9).map(|t| 0.1 + t as f32 * 0.07).collect();
+                let (mut h, mut f) = ([[[0f32; 32]; 2]; 3], [[[0f32; 32]; 2]; 3]);
+                let at = |t: usize| t * stride + 5;
+                A::accumulate(&mut h, &halves, at, 1..8, [&weights[..]; 3]);
+                A::accumulate(&mut f, &floats, at, 1..8, [&weights[..]; 3]);
+                assert!(
+                    h.as_flattened()
+                        .as_flattened()
+                        .iter()
+                        .zip(f.as_flattened().as_flattened())
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "weighted sums, n = {n}"
+                );
+            }
+        }
+        #[inline(never)]
+        fn plain() {
+            check::<Plain>()
+        }
+        plain();
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2,fma,f16c")]
+            unsafe fn fused_check() {
+                check::<Fused>()
+            }
+            #[target_feature(enable = "avx512f,avx2,fma,f16c")]
             unsafe fn wide_check() {
                 check::<Wide>()
             }
