@@ -340,6 +340,15 @@ impl<E> Attention<'_, E> {
     }
 }
 
+impl<E: CacheValue> Attention<'_, E> {
+    /// Whether a kv head's tasks widen a block's rows once instead of reading the cache in
+    /// place: f16 rows read by more than [`IN_PLACE_ROWS`] rows (the nodes times the group's
+    /// heads).
+    fn widens(&self) -> bool {
+        E::HALF && self.n * self.group > IN_PLACE_ROWS
+    }
+}
+
 struct Weights<'a> {
     scores: &'a [f32],
     inv_sums: &'a [f32],
@@ -375,7 +384,7 @@ fn prefix_scores<A: Arith, E: CacheValue>(
 ) {
     let hd = a.shape.head_dim;
     let (first, stride) = (a.at(positions.start, kh, 0), a.shape.n_kv_heads * hd);
-    if E::HALF && a.n * a.group > IN_PLACE_ROWS {
+    if a.widens() {
         let mut buf = WIDENED.take();
         let k = widen_rows::<A, E>(a.k, first, stride, positions.len(), hd, &mut buf);
         // Widened rows were asked for as they were widened, and are in cache now.
@@ -483,24 +492,24 @@ fn weighted_values<A: Arith, E: CacheValue, const D: usize>(
     buf.clear();
     buf.resize(rows * 2 * D, 0.0);
     let acc = buf.as_chunks_mut::<D>().0.as_chunks_mut::<2>().0;
-    let widen = E::HALF && rows > IN_PLACE_ROWS;
-    let mut widened = WIDENED.take();
-    if !widen {
-        ask(0..BLOCK.min(a.past));
-    }
-    for start in (0..a.past).step_by(BLOCK) {
-        let block = start..(start + BLOCK).min(a.past);
-        if widen {
-            let stride = a.shape.n_kv_heads * a.shape.head_dim;
+    if a.widens() {
+        let mut widened = WIDENED.take();
+        let stride = a.shape.n_kv_heads * a.shape.head_dim;
+        for start in (0..a.past).step_by(BLOCK) {
+            let block = start..(start + BLOCK).min(a.past);
             let v = widen_rows::<A, E>(a.v, at(start), stride, block.len(), D, &mut widened);
             accumulate_rows::<A, f32, D>(acc, &weights_of, v, |t| (t - start) * D, block);
-        } else {
+        }
+        WIDENED.set(widened);
+    } else {
+        ask(0..BLOCK.min(a.past));
+        for start in (0..a.past).step_by(BLOCK) {
+            let block = start..(start + BLOCK).min(a.past);
             // The next block's V rows asked for while every row uses this one.
             ask(block.end..(block.end + BLOCK).min(a.past));
             accumulate_rows::<A, E, D>(acc, &weights_of, a.v, at, block);
         }
     }
-    WIDENED.set(widened);
     for (j, acc) in acc.iter_mut().enumerate() {
         let r = row_of(j);
         let seen = a.visible(r / a.shape.n_heads);
