@@ -172,11 +172,10 @@ impl QuantFormat {
     /// 2 threads, AMD EPYC Zen 4, against [`LookAhead::EVERYTHING`], as fractions of a plain read
     /// of the same bytes: Q8_0 1.01-1.02 instead of 0.91-0.94 (0.96 instead of 0.64 in a process
     /// whose memory read at 71 GB/s); Q4_K 0.96-0.98 instead of 0.87-0.92; Q5_0 0.98 instead of
-    /// 0.89; Q4_1 and Q6_K no faster either way.
-    /// For the VNNI paths only, whose dot instructions leave time to spare: passes with several
-    /// rows (trees) and the AVX2 path ask for everything. There, without the weights asked for,
-    /// Qwen2.5-Coder-1.5B's (Q4_K) 4- and 8-node trees cost 1.17x and 1.21x, and its decoding
-    /// step on the AVX2 path 1.09x.
+    /// 0.89; Q4_1 and Q6_K no faster either way. For the VNNI paths only: passes with several
+    /// rows (trees) and the AVX2 path, whose one-row pass takes more instructions a block, ask
+    /// for everything. There, without the weights asked for, Qwen2.5-Coder-1.5B's (Q4_K) 4- and
+    /// 8-node trees cost 1.17x and 1.21x, and its decoding step on the AVX2 path 1.09x.
     fn one_row_look_ahead(self) -> LookAhead {
         match self {
             QuantFormat::Q8_0 | QuantFormat::Q4_K => LookAhead {
