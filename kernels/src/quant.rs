@@ -166,23 +166,29 @@ impl QuantFormat {
         }
     }
 
-    /// How a first pass with one activation row (a decoding step) asks for a row group's
-    /// blocks. The CPU's own prefetchers stream Q8_0's and Q4_K's packed weights faster unasked,
-    /// and Q5_0's asked 2 KB ahead. Measured on matrices of 94-124 MB (far beyond the caches),
-    /// 2 threads, AMD EPYC Zen 4, against [`LookAhead::EVERYTHING`], as fractions of a plain read
-    /// of the same bytes: Q8_0 1.01-1.02 instead of 0.91-0.94 (0.96 instead of 0.64 in a process
-    /// whose memory read at 71 GB/s); Q4_K 0.96-0.98 instead of 0.87-0.92; Q5_0 0.98 instead of
-    /// 0.89; Q4_1 and Q6_K no faster either way. For the VNNI paths only: passes with several
-    /// rows (trees) and the AVX2 path, whose one-row pass takes more instructions a block, ask
-    /// for everything. There, without the weights asked for, Qwen2.5-Coder-1.5B's (Q4_K) 4- and
-    /// 8-node trees cost 1.17x and 1.21x, and its decoding step on the AVX2 path 1.09x.
-    fn one_row_look_ahead(self) -> LookAhead {
-        match self {
-            QuantFormat::Q8_0 | QuantFormat::Q4_K => LookAhead {
+    /// How a first pass over a row group with `rows` activation rows asks for its blocks, on
+    /// the VNNI paths. The CPU's own prefetchers stream Q8_0's packed weights faster unasked for
+    /// up to 4 rows, and Q4_K's for one (a decoding step); Q5_0's one-row passes ask 2 KB ahead.
+    /// Measured on matrices of 94-124 MB (far beyond the caches), 2 threads, AMD EPYC Zen 4,
+    /// against [`LookAhead::EVERYTHING`], as fractions of a plain read of the same bytes:
+    /// - Q8_0, one row: 1.01-1.02 instead of 0.91-0.94 (0.96 instead of 0.64 in a process whose
+    ///   memory read at 71 GB/s); 2 rows 0.97-1.03 instead of 0.83-0.87; 3 and 4 rows 0.94 and
+    ///   0.92 instead of 0.73 and 0.72; 8 rows 0.63 either way, and Qwen2.5-Coder-0.5B's 8-node
+    ///   trees took 1.01-1.03x unasked.
+    /// - Q4_K, one row: 0.96-0.98 instead of 0.87-0.92. With more rows it needs the asking:
+    ///   Qwen2.5-Coder-1.5B's 4- and 8-node trees cost 1.17x and 1.21x without it.
+    /// - Q5_0, one row: 0.98 at 2 KB instead of 0.89 at 4 KB.
+    /// - Q4_1 and Q6_K: no faster either way.
+    ///
+    /// The AVX2 path, whose passes take more instructions a block, asks for everything: without
+    /// Q4_K's weights asked for, Qwen2.5-Coder-1.5B's decoding step there took 1.09x.
+    fn look_ahead(self, rows: usize) -> LookAhead {
+        match (self, rows) {
+            (QuantFormat::Q8_0, 1..=4) | (QuantFormat::Q4_K, 1) => LookAhead {
                 weights: false,
                 ..LookAhead::EVERYTHING
             },
-            QuantFormat::Q5_0 => LookAhead {
+            (QuantFormat::Q5_0, 1) => LookAhead {
                 bytes: 2048,
                 ..LookAhead::EVERYTHING
             },
@@ -1538,8 +1544,8 @@ macro_rules! x86_path {
                     1 => 4,
                     _ => 2,
                 };
-                let ahead = if T == 1 && ANY_BYTE {
-                    m.format.one_row_look_ahead()
+                let ahead = if ANY_BYTE {
+                    m.format.look_ahead(T)
                 } else {
                     LookAhead::EVERYTHING
                 };
