@@ -167,16 +167,16 @@ impl QuantFormat {
     }
 
     /// How a first pass over a row group with `rows` activation rows asks for its blocks, on
-    /// the VNNI paths. The CPU's own prefetchers stream Q8_0's packed weights faster unasked for
-    /// up to 4 rows, and Q4_K's for one (a decoding step); Q5_0's one-row passes ask 2 KB ahead.
-    /// Measured on matrices of 94-124 MB (far beyond the caches), 2 threads, AMD EPYC Zen 4,
-    /// against [`LookAhead::EVERYTHING`], as fractions of a plain read of the same bytes:
+    /// the VNNI paths: block by block for one or two rows, and in the burst that starts every
+    /// task (passes of more rows fetch the next row group whole instead, see `tile`). The CPU's
+    /// own prefetchers stream Q8_0's packed weights faster unasked, and Q4_K's for one row (a
+    /// decoding step); Q5_0's one-row passes ask 2 KB ahead. Measured on matrices of 94-124 MB
+    /// (far beyond the caches), 2 threads, AMD EPYC Zen 4, against [`LookAhead::EVERYTHING`], as
+    /// fractions of a plain read of the same bytes:
     /// - Q8_0, one row: 1.01-1.02 instead of 0.91-0.94 (0.96 instead of 0.64 in a process whose
     ///   memory read at 71 GB/s); 2 rows 0.97-1.03 instead of 0.83-0.87; 3 and 4 rows 0.94 and
-    ///   0.92 instead of 0.73 and 0.72; 8 rows 0.63 either way, and Qwen2.5-Coder-0.5B's 8-node
-    ///   trees took 1.01-1.03x unasked.
-    /// - Q4_K, one row: 0.96-0.98 instead of 0.87-0.92. With more rows it needs the asking:
-    ///   Qwen2.5-Coder-1.5B's 4- and 8-node trees cost 1.17x and 1.21x without it.
+    ///   0.92 instead of 0.73 and 0.72.
+    /// - Q4_K, one row: 0.96-0.98 instead of 0.87-0.92.
     /// - Q5_0, one row: 0.98 at 2 KB instead of 0.89 at 4 KB.
     /// - Q4_1 and Q6_K: no faster either way.
     ///
@@ -1513,7 +1513,9 @@ macro_rules! x86_path {
                 i0: usize,
                 n: usize,
             ) -> usize {
-                let pb = m.format.packed_bytes();
+                let pb = ROWS * 4 * GROUPS / if NIB { 2 } else { 1 }
+                    + if HIGH > 0 { GROUP_BYTES } else { 0 };
+                debug_assert_eq!(pb, m.format.packed_bytes());
                 let e = 4 * GROUPS;
                 let mut acc = [[zero_f(); S]; T];
                 let mut off = [[zero_f(); S]; T];
@@ -1548,8 +1550,8 @@ macro_rules! x86_path {
                 };
                 let (prefetch_blocks, weights_ahead) = ((ahead.bytes / pb).max(2), ahead.weights);
                 if i0 == 0 {
-                    // The stream's first blocks, which the look-ahead below never asks for: a
-                    // task starts with several misses in flight instead of one or two.
+                    // The stream's first blocks, which no look-ahead below asks for: a task
+                    // starts with several misses in flight instead of one or two.
                     for s in 0..prefetch_blocks.min(m.blocks) {
                         for set in &sets {
                             block_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
@@ -1564,12 +1566,20 @@ macro_rules! x86_path {
                     }
                 }
                 for s in 0..m.blocks {
-                    if i0 == 0 {
-                        // The first pass streams the weights (and their scales and mins, a
-                        // stream of their own) from memory: ask for them a few blocks ahead so
-                        // the loads overlap the arithmetic. Near a set's end the stream goes on
-                        // into the set that will follow it in the next pass (row groups lie one
-                        // after another), so that no pass starts cold.
+                    if i0 == 0 && T <= 2 {
+                        // A first pass of one or two rows streams the weights (and their scales
+                        // and mins, a stream of their own) from memory with little arithmetic a
+                        // block: ask for them a few blocks ahead so the loads overlap it. Near a
+                        // set's end the stream goes on into the set that will follow it in the
+                        // next pass (row groups lie one after another), so that no pass starts
+                        // cold. Passes of 3 rows and more last long enough a block to fetch the
+                        // next set whole, as the last of several passes does below: in-process
+                        // A/B against asking 4 KB ahead (AMD EPYC Zen 4, 2 threads, 128 cached),
+                        // Qwen2.5-Coder-1.5B's trees of 4 and 6 nodes took 0.87-0.93 of the
+                        // time, 8 nodes 0.97-0.99, 3 nodes 0.98-0.99, 16 and 32 nodes 1.00;
+                        // Qwen2.5-Coder-0.5B's 4 and 8 nodes 0.92 and 0.94; on the AVX2 path
+                        // 0.82-0.93 for 3 to 4 nodes and 0.93-0.99 for 8. One- and two-row
+                        // passes that way took 1.01-1.13x.
                         for set in &sets {
                             block_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
                                 m,
@@ -1581,9 +1591,9 @@ macro_rules! x86_path {
                             );
                         }
                     } else if i0 + T == n {
-                        // The last of several passes reads the weights from L1: meanwhile
-                        // stream the next sets' into L2, so that memory never waits for
-                        // the arithmetic (their first pass then starts from L2).
+                        // The last pass over the set (of several, it reads the weights from
+                        // L1): meanwhile stream the next sets' into L2, so that memory never
+                        // waits for the arithmetic (their first pass then starts from L2).
                         for set in &sets {
                             block_ahead::<{ std::arch::x86_64::_MM_HINT_T1 }, MINS, PER>(
                                 m, set, 1, s, pb, true,
