@@ -571,7 +571,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          path here and for `SPECINFER_NO_AVX512=1` (the AVX2 path).\n\n\
          Limits, measured here in the same run: streaming read bandwidth **{:.1} GB/s** at the start (best of 5 passes \
          over 1 GiB, {threads} threads; probed again beside each model, the figure its floor and n* use); int8 multiply-add peak **{:.0} GMAC/s** on the native path ({}), **{:.0} GMAC/s** on AVX2 \
-         (8 independent accumulators per thread). The decode floor is the weight bytes one token reads / bandwidth; extra \
+         (12 independent `vpdpbusd` chains per thread on 512 bits, 6 of `vpmaddubsw` + `vpmaddwd` + `vpaddd` on AVX2, accumulators kept in registers). The decode floor is the weight bytes one token reads / bandwidth; extra \
          nodes cost only multiply-adds until nodes x MACs / peak outlasts the read, so the forward may grow from \
          n* = floor x peak / MACs. Floor / ours is taken from the decode rounds below: in each, our native decoding's \
          process reads exactly the bytes a token's forward reads (its weights, best of 5 passes on the same threads) \
