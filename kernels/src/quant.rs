@@ -753,7 +753,7 @@ impl QuantMatrix {
                     }
                     isum += self.code(r, s, false) * block;
                     if mins {
-                        msum += self.code(r, s, true) * a.sums[ab];
+                        msum += self.code(r, s, true) * a.block_sum(ab);
                     }
                     if (s + 1) % per == 0 {
                         let da = a.d[i * self.supers + s / per];
@@ -1039,11 +1039,10 @@ struct QuantizedActs {
     corr: Vec<i32>,
     /// `[n, blocks]`: `d * sum(q)` over the block; 32-weight formats with a min (Q4_1).
     dsum: Vec<f32>,
-    /// `[n, blocks]`: `sum(q)` over the block; K formats with a min (Q4_K), portable path.
-    sums: Vec<i32>,
     /// `[n, blocks / 2]`, K formats: `sum(q)` over blocks `2k` and `2k + 1` as the low and high
     /// i16 of one word (at most 32 x 127 each), for the SIMD paths' pairwise products with two
-    /// blocks' codes (`vpmaddwd`): Q4_K's mins' terms on every path, Q6_K's zero point on AVX2.
+    /// blocks' codes (`vpmaddwd`): Q4_K's mins' terms on every SIMD path, Q6_K's zero point on
+    /// AVX2. The portable path reads one block's sum back ([`QuantizedActs::block_sum`]).
     pair_sums: Vec<i32>,
 }
 
@@ -1065,21 +1064,15 @@ impl QuantizedActs {
         // The 32-weight formats' activation blocks are their weight blocks: `d` holds one scale
         // per weight block, as they want; the K formats keep one per super-block.
         debug_assert!(per > 1 || act == e);
-        let (dsum, sums) = (
-            m.format.has_mins() && per == 1,
-            m.format.has_mins() && per > 1,
-        );
+        let dsum = m.format.has_mins() && per == 1;
         self.corr.clear();
         self.dsum.clear();
-        self.sums.clear();
         self.pair_sums.clear();
         for (b, qb) in self.q.chunks_exact(e).enumerate() {
             let sum: i32 = qb.iter().map(|&v| v as i32).sum();
             self.corr.push(z * sum);
             if dsum {
                 self.dsum.push(self.d[b] * sum as f32);
-            } else if sums {
-                self.sums.push(sum);
             }
             if per > 1 {
                 if b % 2 == 0 {
@@ -1088,6 +1081,17 @@ impl QuantizedActs {
                     *self.pair_sums.last_mut().expect("pushed at the even block") |= sum << 16;
                 }
             }
+        }
+    }
+
+    /// `sum(q)` over block `b` (counted across the rows, as `corr`'s), K formats: the half of
+    /// `pair_sums` that holds it (a K format's rows have an even number of blocks).
+    fn block_sum(&self, b: usize) -> i32 {
+        let pair = self.pair_sums[b / 2];
+        if b.is_multiple_of(2) {
+            pair as i16 as i32
+        } else {
+            pair >> 16
         }
     }
 }
