@@ -15,7 +15,7 @@
 //! rows read a block's rows widened once into a buffer.
 
 use crate::lanes::{self, dispatch, Arith, CacheValue, SyncPtr};
-use crate::team;
+use crate::{profile, team};
 
 /// Head layout of one attention call (grouped-query attention when `n_kv_heads < n_heads`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +149,7 @@ pub fn tree_attention(
     words_per_node: usize,
     out: &mut [f32],
 ) {
+    let started = profile::start();
     match (k, v) {
         (KvRows::F32(k), KvRows::F32(v)) => {
             attend(shape, q, k, v, past, first, ancestors, words_per_node, out)
@@ -158,6 +159,7 @@ pub fn tree_attention(
         }
         _ => panic!("K and V caches of different value types"),
     }
+    profile::attention_done(started);
 }
 
 /// [`tree_attention`] on a cache of `E` values (read in place: see [`CacheValue`]).

@@ -10,6 +10,7 @@ mod attention;
 pub mod cuda;
 pub mod cuda_libs;
 mod lanes;
+pub mod profile;
 pub mod projection;
 pub mod quant;
 pub mod sampling;

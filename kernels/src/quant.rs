@@ -45,7 +45,7 @@
 use std::cell::Cell;
 
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
-use crate::team;
+use crate::{profile, team};
 
 /// GGML formats this kernel handles (GGML's names).
 #[allow(non_camel_case_types)]
@@ -787,9 +787,11 @@ fn matmul_many_on(path: Path, mats: &[&QuantMatrix], x: &[f32], n: usize, outs: 
     assert_eq!(x.len(), n * first.cols, "x is not [n, cols]");
     // Taken for the product's duration: a product started on this thread meanwhile (a thread
     // waiting in rayon's fallback may run another caller's forward) finds empty buffers.
+    let started = profile::start();
     let mut buffers = PRODUCTS.take();
     product(path, mats, x, n, outs, &mut buffers);
     PRODUCTS.set(buffers);
+    profile::product_done(started, || mats.iter().map(|m| m.bytes()).sum());
 }
 
 /// A product's bookkeeping, kept per thread from call to call: a forward runs a few hundred

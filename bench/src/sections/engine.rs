@@ -19,7 +19,9 @@
 //! each round runs llama.cpp's tg32 once and our greedy decoding of 32 tokens once on each path
 //! (the order rotating from round to round), so that both sides see the same minutes of a shared
 //! host whose memory bandwidth moves by a third between minutes; the report gives each round's
-//! ratio and their median.
+//! ratio and their median. Each native decoding process then decodes once more with timers
+//! around every product and attention call, so that the report also says where a step's time
+//! goes and how fast the products read their weights while they run, beside the floor's read.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,6 +29,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use specinfer_kernels::profile;
 use specinfer_model::{fetch, load_gguf, KvCache, SeqTree};
 use specinfer_wire::TokenTree;
 
@@ -128,13 +131,17 @@ const DECODE_TOKENS: usize = 32;
 
 /// The alternating runs' child: greedy plain decoding of [`DECODE_TOKENS`] tokens after a short
 /// prompt, as llama-bench's tg32 does (one warm-up run, then the timed one); between the two,
-/// the read bandwidth of the very bytes a token's forward reads. Prints tokens/s and bytes/s.
+/// the read bandwidth of the very bytes a token's forward reads; after them a third run that
+/// times the products and attention inside the forwards ([`profile`]: a few timer reads per call,
+/// kept out of the timed run). Prints tokens/s, bytes/s, and the third run's shares of its time
+/// in products and in attention and the products' bytes/s while they ran.
 pub fn decode_child(gguf: &Path) -> Result<()> {
     let (llm, tok) = load_gguf(gguf)?;
     let prompt = tok.encode("def fibonacci(n):\n")?;
     let mut rate = 0.0;
     let mut weights_bandwidth = 0.0;
-    for run in 0..2 {
+    let mut split = (profile::Split::default(), 0.0);
+    for run in 0..3 {
         if run == 1 {
             weights_bandwidth = read_buffers_bandwidth(&llm.per_token_buffers());
         }
@@ -142,6 +149,8 @@ pub fn decode_child(gguf: &Path) -> Result<()> {
         let last = llm.prefill(&mut cache, &prompt)?;
         // The first of equal maxima, as the model's own argmax.
         let mut next = (0..last.len()).fold(0, |b, i| if last[i] > last[b] { i } else { b }) as u32;
+        profile::enable(run == 2);
+        profile::take();
         let t = Instant::now();
         for _ in 0..DECODE_TOKENS {
             let tree = TokenTree::root(next);
@@ -149,9 +158,21 @@ pub fn decode_child(gguf: &Path) -> Result<()> {
             cache.commit_scratch();
             next = logits[0].argmax(0);
         }
-        rate = DECODE_TOKENS as f64 / t.elapsed().as_secs_f64();
+        let seconds = t.elapsed().as_secs_f64();
+        if run == 2 {
+            profile::enable(false);
+            split = (profile::take(), seconds);
+        } else {
+            rate = DECODE_TOKENS as f64 / seconds;
+        }
     }
-    println!("{rate} {weights_bandwidth}");
+    let (split, seconds) = split;
+    println!(
+        "{rate} {weights_bandwidth} {} {} {}",
+        split.products.as_secs_f64() / seconds,
+        split.product_bytes as f64 / split.products.as_secs_f64(),
+        split.attention.as_secs_f64() / seconds
+    );
     Ok(())
 }
 
@@ -186,14 +207,46 @@ fn read_buffers_bandwidth(buffers: &[&[u8]]) -> f64 {
 
 /// One round of plain decoding: llama.cpp's tg32, ours native, ours AVX2 (tokens/s), the read
 /// bandwidth of a 1 GiB probe right before our native run and that of the weights themselves in
-/// our native run's process (bytes/s).
-#[derive(Clone, Copy)]
+/// our native run's process (bytes/s), and where that process's profiled run spent its time.
+#[derive(Clone, Copy, Default)]
 struct DecodeRound {
     llama: f64,
     native: f64,
     avx2: f64,
     bandwidth: f64,
     weights_bandwidth: f64,
+    split: TimeSplit,
+}
+
+/// Where a decoding child's profiled run spent its time (see [`decode_child`]).
+#[derive(Clone, Copy, Default)]
+struct TimeSplit {
+    /// Shares of the run's time in quantized products and in attention.
+    products: f64,
+    attention: f64,
+    /// Bytes/s of weights the products read while they ran.
+    products_rate: f64,
+}
+
+/// A decoding child's line: tokens/s, the weights' read bandwidth, and its profiled run.
+fn parse_decode_child(out: &str) -> Result<(f64, f64, TimeSplit)> {
+    let fields = out
+        .split_whitespace()
+        .map(str::parse::<f64>)
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("the decoding child printed {out:?}"))?;
+    match fields[..] {
+        [rate, bandwidth, products, products_rate, attention] => Ok((
+            rate,
+            bandwidth,
+            TimeSplit {
+                products,
+                attention,
+                products_rate,
+            },
+        )),
+        _ => bail!("the decoding child printed {out:?}, not five figures"),
+    }
 }
 
 /// `rounds` alternating rounds of plain decoding on `gguf` (see the module documentation).
@@ -204,25 +257,13 @@ fn decode_rounds(
     threads: usize,
     rounds: usize,
 ) -> Result<Vec<DecodeRound>> {
-    // (tokens/s, the weights' read bandwidth in bytes/s)
-    let ours = |env: &[(&str, &str)]| -> Result<(f64, f64)> {
+    let ours = |env: &[(&str, &str)]| -> Result<(f64, f64, TimeSplit)> {
         let gguf = gguf.as_os_str().to_string_lossy();
-        let out = child_output(cores, env, &["--engine-decode", &gguf])?;
-        let mut fields = out.split_whitespace().map(str::parse::<f64>);
-        match (fields.next(), fields.next()) {
-            (Some(rate), Some(bandwidth)) => Ok((rate?, bandwidth?)),
-            _ => bail!("the decoding child printed {out:?}, not a rate and a bandwidth"),
-        }
+        parse_decode_child(&child_output(cores, env, &["--engine-decode", &gguf])?)
     };
     let mut out = Vec::with_capacity(rounds);
     for r in 0..rounds {
-        let mut round = DecodeRound {
-            llama: 0.0,
-            native: 0.0,
-            avx2: 0.0,
-            bandwidth: 0.0,
-            weights_bandwidth: 0.0,
-        };
+        let mut round = DecodeRound::default();
         for k in 0..3 {
             match (r + k) % 3 {
                 0 => {
@@ -231,7 +272,7 @@ fn decode_rounds(
                 }
                 1 => {
                     round.bandwidth = read_bandwidth(threads)?;
-                    (round.native, round.weights_bandwidth) = ours(&[])?;
+                    (round.native, round.weights_bandwidth, round.split) = ours(&[])?;
                 }
                 _ => round.avx2 = ours(&[("SPECINFER_NO_AVX512", "1")])?.0,
             }
@@ -598,6 +639,15 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          | model | llama.cpp tok/s (median) | ours tok/s (median) | ours / llama.cpp, median of rounds | rounds' ratios | AVX2 tok/s (median) | AVX2 / llama.cpp, median | rounds' ratios | weights read GB/s (our process) | floor / ours, rounds | 1 GiB probe GB/s before ours | floor / ours by it, rounds |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
+    let mut split_md = String::from(
+        "\n### Where our decoding step's time goes\n\n\
+         Each round's native decoding child decodes the same 32 tokens a third time with timers around every \
+         quantized product (activations' quantization, the parallel section and its wait) and every attention \
+         call (`specinfer_kernels::profile`), after its timed run. The products' read rate is the bytes of weights \
+         they read over the time inside them; beside it the read of the same bytes in the same process.\n\n\
+         | model | products' share of a step, median (rounds) | products' read rate while they run, GB/s (rounds) | weights read GB/s, same process (rounds) | attention's share, median | the rest, median |\n\
+         |---|---|---|---|---|---|\n"
+    );
     let mut curves_md = String::new();
     let mut json_models = Vec::new();
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
@@ -666,6 +716,22 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             gbs(|r| r.bandwidth),
             list(&probe_floor),
         );
+        let splits: Vec<TimeSplit> = decode.iter().map(|r| r.split).collect();
+        let share = |f: fn(&TimeSplit) -> f64| median(splits.iter().map(f).collect());
+        split_md += &format!(
+            "| {} | {:.2} ({}) | {} | {} | {:.3} | {:.3} |\n",
+            model.name,
+            share(|s| s.products),
+            list(&splits.iter().map(|s| s.products).collect::<Vec<_>>()),
+            splits
+                .iter()
+                .map(|s| format!("{:.1}", s.products_rate / 1e9))
+                .collect::<Vec<_>>()
+                .join(", "),
+            gbs(|r| r.weights_bandwidth),
+            share(|s| s.attention),
+            share(|s| 1.0 - s.products - s.attention),
+        );
         let (one, one_avx2) = (
             native.seconds(128, 1).context("no 1-node forward")?,
             avx2.seconds(128, 1).context("no 1-node forward")?,
@@ -727,7 +793,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "model": model.name,
             "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
             "llama_cpp": llama.iter().map(|r| json!({"n_prompt": r.0, "n_gen": r.1, "tokens_per_s": r.2})).collect::<Vec<_>>(),
-            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2, "weights_read_bytes_per_s": r.weights_bandwidth, "probe_read_bandwidth_bytes_per_s": r.bandwidth})).collect::<Vec<_>>(),
+            "decode_rounds": decode.iter().map(|r| json!({"llama_cpp": r.llama, "native": r.native, "avx2": r.avx2, "weights_read_bytes_per_s": r.weights_bandwidth, "probe_read_bandwidth_bytes_per_s": r.bandwidth, "products_share": r.split.products, "products_read_bytes_per_s": r.split.products_rate, "attention_share": r.split.attention})).collect::<Vec<_>>(),
             "floor_over_ours_rounds": weights_floor,
             "floor_over_ours_rounds_by_probe": probe_floor,
             "decode_ratio_median": {"native": median(native_ratios.clone()), "avx2": median(avx2_ratios.clone())},
@@ -753,6 +819,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         &named,
     )?;
     md += &decode_md;
+    md += &split_md;
     md += &curves_md;
     md += "\n![cost against nodes](engine.svg)\n\n";
     Ok(Section {
@@ -766,4 +833,24 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
         }),
         markdown: md,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_decoding_childs_line_is_read_whole_or_refused() {
+        let (rate, bandwidth, split) =
+            parse_decode_child("31.5 3.4e10 0.97 2.8e10 0.013\n").unwrap();
+        assert_eq!((rate, bandwidth), (31.5, 3.4e10));
+        assert_eq!(
+            (split.products, split.products_rate, split.attention),
+            (0.97, 2.8e10, 0.013)
+        );
+        // An older child's two figures, a torn line, or words are errors, not zeros.
+        for bad in ["31.5 3.4e10", "31.5 3.4e10 0.97 2.8e10", "fast 1 2 3 4", ""] {
+            assert!(parse_decode_child(bad).is_err(), "{bad:?}");
+        }
+    }
 }
