@@ -66,7 +66,8 @@ pub enum QuantFormat {
 }
 
 /// How a product's first pass over a row group asks for the blocks it will read, ahead of
-/// reading them, so that memory latency times bandwidth stays covered.
+/// reading them, so that memory latency times bandwidth stays covered (x86 paths).
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct LookAhead {
     /// How far ahead, in bytes of the group's packed weights.
@@ -75,6 +76,7 @@ struct LookAhead {
     weights: bool,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl LookAhead {
     const EVERYTHING: LookAhead = LookAhead {
         bytes: 4096,
@@ -182,6 +184,7 @@ impl QuantFormat {
     ///
     /// The AVX2 path, whose passes take more instructions a block, asks for everything: without
     /// Q4_K's weights asked for, Qwen2.5-Coder-1.5B's decoding step there took 1.09x.
+    #[cfg(target_arch = "x86_64")]
     fn look_ahead(self, rows: usize) -> LookAhead {
         match (self, rows) {
             (QuantFormat::Q8_0, 1..=4) | (QuantFormat::Q4_K, 1) => LookAhead {
