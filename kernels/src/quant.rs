@@ -84,6 +84,17 @@ impl LookAhead {
     };
 }
 
+/// Bytes of one repacked block of a row group of `elems`-weight blocks: nibbles or bytes, then
+/// the plane of high bits where there is one. A `const fn` so that each kernel instantiation
+/// gets it as a constant (see `tile`).
+const fn packed_block_bytes(nibbles: bool, elems: usize, high_plane: bool) -> usize {
+    (if nibbles {
+        ROWS * elems / 2
+    } else {
+        ROWS * elems
+    }) + if high_plane { GROUP_BYTES } else { 0 }
+}
+
 /// Activations are quantized per block of this many values.
 pub const BLOCK: usize = 32;
 /// Rows interleaved in one group: the i32 lanes of a 512-bit register, or two 256-bit ones.
@@ -161,11 +172,7 @@ impl QuantFormat {
 
     /// Bytes of one repacked block of a row group.
     fn packed_bytes(self) -> usize {
-        if self.nibbles() {
-            ROWS * self.elems() / 2 + if self.high_bits() > 0 { GROUP_BYTES } else { 0 }
-        } else {
-            ROWS * self.elems()
-        }
+        packed_block_bytes(self.nibbles(), self.elems(), self.high_bits() > 0)
     }
 
     /// How a first pass over a row group with `rows` activation rows asks for its blocks, on
@@ -1257,7 +1264,10 @@ macro_rules! x86_path {
     ($name:ident, $features:literal, $ops:ident) => {
         mod $name {
             use super::$ops::*;
-            use super::{LookAhead, QuantFormat, QuantMatrix, QuantizedActs, GROUP_BYTES, ROWS};
+            use super::{
+                packed_block_bytes, LookAhead, QuantFormat, QuantMatrix, QuantizedActs,
+                GROUP_BYTES, ROWS,
+            };
 
             #[inline(always)]
             fn prefetch<const HINT: i32>(p: *const u8) {
@@ -1525,8 +1535,7 @@ macro_rules! x86_path {
                 let e = 4 * GROUPS;
                 // Bytes of one packed block: a constant of this instantiation, so that the loops
                 // over its cache lines unroll.
-                let pb = (if NIB { ROWS * e / 2 } else { ROWS * e })
-                    + (if HIGH > 0 { GROUP_BYTES } else { 0 });
+                let pb = packed_block_bytes(NIB, e, HIGH > 0);
                 debug_assert_eq!(pb, m.format.packed_bytes());
                 let mut acc = [[zero_f(); S]; T];
                 let mut off = [[zero_f(); S]; T];

@@ -716,18 +716,14 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             gbs(|r| r.bandwidth),
             list(&probe_floor),
         );
-        let splits: Vec<TimeSplit> = decode.iter().map(|r| r.split).collect();
-        let share = |f: fn(&TimeSplit) -> f64| median(splits.iter().map(f).collect());
+        let products: Vec<f64> = decode.iter().map(|r| r.split.products).collect();
+        let share = |f: fn(&TimeSplit) -> f64| median(decode.iter().map(|r| f(&r.split)).collect());
         split_md += &format!(
             "| {} | {:.2} ({}) | {} | {} | {:.3} | {:.3} |\n",
             model.name,
-            share(|s| s.products),
-            list(&splits.iter().map(|s| s.products).collect::<Vec<_>>()),
-            splits
-                .iter()
-                .map(|s| format!("{:.1}", s.products_rate / 1e9))
-                .collect::<Vec<_>>()
-                .join(", "),
+            median(products.clone()),
+            list(&products),
+            gbs(|r| r.split.products_rate),
             gbs(|r| r.weights_bandwidth),
             share(|s| s.attention),
             share(|s| 1.0 - s.products - s.attention),
