@@ -1047,7 +1047,11 @@ struct QuantizedActs {
     /// The activation scales: `[n, blocks]` (one per weight block), or `[n, supers]` for the K
     /// formats (one per super-block).
     d: Vec<f32>,
-    /// `[n, blocks]`: `z * sum(q)` over the block (the zero point's integer correction).
+    /// `[n, blocks]`: `-z * sum(q)` over the block, the zero point's integer correction, which
+    /// the SIMD paths add to a block's sum per activation row: an add of a broadcast from memory
+    /// is one instruction, where the subtract of `z * sum(q)` compiled to a load, a negation, a
+    /// broadcast and an add (hot Q6_K products of 8 to 32 rows 1.13x faster, one row 1.07x;
+    /// Q8_0 1.02-1.04x; AMD EPYC Zen 4, 512-bit path).
     corr: Vec<i32>,
     /// `[n, blocks]`: `d * sum(q)` over the block; 32-weight formats with a min (Q4_1).
     dsum: Vec<f32>,
@@ -1082,7 +1086,7 @@ impl QuantizedActs {
         self.pair_sums.clear();
         for (b, qb) in self.q.chunks_exact(e).enumerate() {
             let sum: i32 = qb.iter().map(|&v| v as i32).sum();
-            self.corr.push(z * sum);
+            self.corr.push(-z * sum);
             if dsum {
                 self.dsum.push(self.d[b] * sum as f32);
             }
@@ -1709,7 +1713,7 @@ macro_rules! x86_path {
                         if (Q8 && CENTERS_Q8) || MINS {
                             v
                         } else {
-                            sub_i(v, splat_i(*a.corr.get_unchecked((i0 + t) * m.blocks + s)))
+                            add_i(v, splat_i(*a.corr.get_unchecked((i0 + t) * m.blocks + s)))
                         }
                     };
                     if PER == 1 {
