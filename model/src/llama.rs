@@ -233,6 +233,30 @@ impl Llama {
         cost
     }
 
+    /// Seconds the projections and the head of a forward of `rows` nodes take with their weights
+    /// already in cache: each multiplied `reps` times in a row, the fastest counted, summed. The
+    /// products' arithmetic alone, for reports beside a forward's time (whose products also wait
+    /// for memory and for each other's threads); the activations are a fixed pattern, which no
+    /// kernel's instruction count depends on.
+    pub fn products_seconds_hot(&self, rows: usize, reps: usize) -> Result<f64> {
+        let mut total = 0.0;
+        for l in self.per_token_linears() {
+            let (out, inputs) = l.w.shape();
+            let x: Vec<f32> = (0..rows * inputs)
+                .map(|i| (i % 29) as f32 / 14.0 - 1.0)
+                .collect();
+            let mut y = vec![0f32; rows * out];
+            let mut best = f64::MAX;
+            for _ in 0..reps.max(1) {
+                let t = std::time::Instant::now();
+                l.forward_into(&x, rows, &mut y)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            total += best;
+        }
+        Ok(total)
+    }
+
     /// Every projection a token's forward multiplies by, in order, and the head.
     fn per_token_linears(&self) -> impl Iterator<Item = &Linear> {
         self.layers

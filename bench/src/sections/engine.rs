@@ -30,7 +30,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use specinfer_kernels::profile;
-use specinfer_model::{fetch, load_gguf, KvCache, SeqTree};
+use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree};
 use specinfer_wire::TokenTree;
 
 use crate::common::Section;
@@ -40,6 +40,10 @@ use crate::plot::plot_lines;
 /// The llama.cpp every CPU figure is compared with (its vendored build 0c1e570).
 pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 const NODES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// The trees whose time the curve's child also splits (see [`TreeSplit`]), at this many cached
+/// positions.
+const SPLIT_NODES: [usize; 2] = [8, 32];
+const SPLIT_CONTEXT: usize = 128;
 
 /// A model measured: its name in the report and where it comes from.
 struct Model {
@@ -68,6 +72,21 @@ struct Curve {
     macs: f64,
     /// `(context, nodes, median seconds)`.
     forwards: Vec<(usize, usize, f64)>,
+    /// Where the forwards of [`SPLIT_NODES`] spend their time.
+    splits: Vec<TreeSplit>,
+}
+
+/// Where a tree's forward spends its time ([`child`]): seconds per forward in all, inside the
+/// quantized products and inside attention (timed with [`profile`] on, in runs of their own), and
+/// the same products' seconds with every weight already in cache
+/// ([`Llama::products_seconds_hot`]): what the kernels' arithmetic alone takes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct TreeSplit {
+    nodes: usize,
+    forward: f64,
+    products: f64,
+    attention: f64,
+    hot_products: f64,
 }
 
 impl Curve {
@@ -89,17 +108,34 @@ impl Curve {
                 .iter()
                 .map(|f| Ok((num(&f[0])? as usize, num(&f[1])? as usize, num(&f[2])?)))
                 .collect::<Result<_>>()?,
+            splits: v["splits"]
+                .as_array()
+                .context("splits")?
+                .iter()
+                .map(|f| {
+                    Ok(TreeSplit {
+                        nodes: num(&f[0])? as usize,
+                        forward: num(&f[1])?,
+                        products: num(&f[2])?,
+                        attention: num(&f[3])?,
+                        hot_products: num(&f[4])?,
+                    })
+                })
+                .collect::<Result<_>>()?,
         })
     }
 }
 
-/// The child's side: times our forward on `gguf` and prints the curve as one JSON line.
+/// The child's side: times our forward on `gguf` and prints the curve as one JSON line; at
+/// [`SPLIT_CONTEXT`] cached positions it then splits the time of the trees of [`SPLIT_NODES`]
+/// (see [`TreeSplit`]).
 pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
     let (llm, tok) = load_gguf(gguf)?;
     let prompt =
         tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")?;
     let weights = llm.per_token_weights();
     let mut forwards = Vec::new();
+    let mut splits = Vec::new();
     for &context in contexts {
         let tokens: Vec<u32> = prompt.iter().copied().cycle().take(context).collect();
         let mut cache = KvCache::new(llm.config());
@@ -118,12 +154,46 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
         for (nodes, times) in NODES.iter().zip(times) {
             forwards.push(json!([context, nodes, median(times)]));
         }
+        if context == SPLIT_CONTEXT {
+            for nodes in SPLIT_NODES {
+                splits.push(split_forwards(
+                    &llm,
+                    &mut cache,
+                    &bushy_tree(&tokens, nodes),
+                )?);
+            }
+        }
     }
     println!(
         "{}",
-        json!({"weight_bytes": weights.bytes, "macs": weights.macs, "forwards": forwards})
+        json!({"weight_bytes": weights.bytes, "macs": weights.macs, "forwards": forwards, "splits": splits})
     );
     Ok(())
+}
+
+/// [`TreeSplit`]'s figures for `tree` over `cache`, as `[nodes, forward, products, attention,
+/// hot products]` seconds: a warm-up forward, 3 timed with [`profile`] on, then the products hot.
+fn split_forwards(llm: &Llama, cache: &mut KvCache, tree: &TokenTree) -> Result<Value> {
+    const REPS: usize = 3;
+    let cache = std::slice::from_mut(cache);
+    median_forward_seconds(llm, cache, tree, 1)?;
+    profile::enable(true);
+    profile::take();
+    let t = Instant::now();
+    for _ in 0..REPS {
+        median_forward_seconds(llm, cache, tree, 1)?;
+    }
+    let forward = t.elapsed().as_secs_f64() / REPS as f64;
+    profile::enable(false);
+    let split = profile::take();
+    let hot = llm.products_seconds_hot(tree.len(), 4)?;
+    Ok(json!([
+        tree.len(),
+        forward,
+        split.products.as_secs_f64() / REPS as f64,
+        split.attention.as_secs_f64() / REPS as f64,
+        hot
+    ]))
 }
 
 /// Tokens each side decodes per round: llama-bench's tg32.
@@ -648,6 +718,19 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
          | model | products' share of a step, median (rounds) | products' read rate while they run, GB/s (rounds) | weights read GB/s, same process (rounds) | attention's share, median | the rest, median |\n\
          |---|---|---|---|---|---|\n"
     );
+    let mut trees_md = format!(
+        "\n### Where a tree's time goes\n\n\
+         Each curve's child (native, AVX2) then runs trees of {} nodes at {SPLIT_CONTEXT} cached positions three more \
+         times with the same timers as the decoding split, and multiplies the same projections and head once more with \
+         every weight already in cache: each matrix 4 times in a row, the fastest counted (\"hot\": the kernels' \
+         arithmetic alone, no wait for memory or for the other thread). Rates are the tree's multiply-adds (nodes x \
+         MACs per token) over the time inside the products. The last two columns set the hot products alone (nothing \
+         else in the forward) and the prediction against the same path's one-node forward: where the first is above \
+         1.2x the second, no change outside the kernels' arithmetic can bring the tree within 1.2x of the prediction.\n\n\
+         | model | path | nodes | forward ms | products' share | products GMAC/s in the forward | the same products hot, GMAC/s | int8 peak GMAC/s | attention's share | the rest | hot products alone, x one node | predicted, x one node |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        SPLIT_NODES.map(|n| n.to_string()).join(" and ")
+    );
     let mut curves_md = String::new();
     let mut json_models = Vec::new();
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
@@ -760,6 +843,28 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             if quick { "" } else { " native, 1,024 cached |" },
             if quick { "" } else { "---|" },
         );
+        for (path, curve, peak, base) in [
+            ("native", &native, peak_native, one),
+            ("AVX2", &avx2, peak_avx2, one_avx2),
+        ] {
+            for t in &curve.splits {
+                let tree_macs = t.nodes as f64 * native.macs;
+                trees_md += &format!(
+                    "| {} | {path} | {} | {:.1} | {:.3} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} | {:.2}x | {:.2}x |\n",
+                    model.name,
+                    t.nodes,
+                    t.forward * 1e3,
+                    t.products / t.forward,
+                    tree_macs / t.products / 1e9,
+                    tree_macs / t.hot_products / 1e9,
+                    peak / 1e9,
+                    t.attention / t.forward,
+                    1.0 - (t.products + t.attention) / t.forward,
+                    t.hot_products / base,
+                    floor.max(tree_macs / peak) / base,
+                );
+            }
+        }
         let mut points = Vec::new();
         for n in NODES {
             let cell = |c: &Curve, ctx: usize, base: f64| {
@@ -785,6 +890,14 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             }
         }
         series.push((model.name.to_string(), points));
+        let tree_splits: Vec<Value> = [("native", &native), ("avx2", &avx2)]
+            .iter()
+            .flat_map(|(path, c)| {
+                c.splits.iter().map(move |t| {
+                    json!({"path": path, "nodes": t.nodes, "forward_s": t.forward, "products_s": t.products, "attention_s": t.attention, "hot_products_s": t.hot_products})
+                })
+            })
+            .collect();
         json_models.push(json!({
             "model": model.name,
             "file": gguf.file_name().map(|f| f.to_string_lossy().into_owned()),
@@ -800,6 +913,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
             "grows_from_nodes": grow_from,
             "native": native.forwards.iter().map(|f| json!({"context": f.0, "nodes": f.1, "ms": f.2 * 1e3})).collect::<Vec<_>>(),
             "avx2": avx2.forwards.iter().map(|f| json!({"context": f.0, "nodes": f.1, "ms": f.2 * 1e3})).collect::<Vec<_>>(),
+            "tree_splits": tree_splits,
         }));
     }
     let plot = out.join("engine.svg");
@@ -817,6 +931,7 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
     md += &decode_md;
     md += &split_md;
     md += &curves_md;
+    md += &trees_md;
     md += "\n![cost against nodes](engine.svg)\n\n";
     Ok(Section {
         key: "engine",
@@ -834,6 +949,31 @@ pub fn run(quick: bool, out: &Path) -> Result<Section> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_curve_childs_splits_are_read_or_the_curve_refused() {
+        let line = json!({"weight_bytes": 1e9, "macs": 1.5e9, "forwards": [[128, 1, 0.03]],
+            "splits": [[8, 0.05, 0.045, 0.003, 0.041]]});
+        let curve = Curve::from_json(&line).unwrap();
+        assert_eq!(curve.seconds(128, 1), Some(0.03));
+        assert_eq!(
+            curve.splits,
+            vec![TreeSplit {
+                nodes: 8,
+                forward: 0.05,
+                products: 0.045,
+                attention: 0.003,
+                hot_products: 0.041
+            }]
+        );
+        // A child that split no trees, or printed a torn split, is an error, not an empty table.
+        for bad in [
+            json!({"weight_bytes": 1e9, "macs": 1.5e9, "forwards": []}),
+            json!({"weight_bytes": 1e9, "macs": 1.5e9, "forwards": [], "splits": [[8, 0.05]]}),
+        ] {
+            assert!(Curve::from_json(&bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_decoding_childs_line_is_read_whole_or_refused() {
