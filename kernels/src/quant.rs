@@ -1472,10 +1472,13 @@ macro_rules! x86_path {
                 sp: usize,
                 dst: GroupOut,
                 lane0: usize,
+                /// The task's first row group: nothing has asked for its first blocks yet (a
+                /// later group's were asked for by the look-ahead of the group before it).
+                first: bool,
             }
 
             impl Set {
-                fn new(m: &QuantMatrix, g: usize, half: usize, dst: GroupOut) -> Set {
+                fn new(m: &QuantMatrix, g: usize, half: usize, dst: GroupOut, first: bool) -> Set {
                     let lane0 = half * LANES;
                     Set {
                         w: m.qs[g * m.blocks * m.format.packed_bytes() + 4 * lane0..].as_ptr(),
@@ -1483,6 +1486,7 @@ macro_rules! x86_path {
                         sp: g * m.supers * ROWS + lane0,
                         dst,
                         lane0,
+                        first,
                     }
                 }
             }
@@ -1503,17 +1507,18 @@ macro_rules! x86_path {
                 // two halves, in one pass (one or two rows) or one after the other.
                 for j in 0..count {
                     let d = to.group(j);
+                    let first = j == 0;
                     if LANES == ROWS {
-                        pass::<1>(m, [Set::new(m, g0 + j, 0, d)], a, n);
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, d, first)], a, n);
                     } else if n > 2 {
                         // 256 bits, several activation rows: one half per pass, so that a
                         // tile holds twice the rows in the same registers (the second half's
                         // pass reads the group from L1).
-                        pass::<1>(m, [Set::new(m, g0 + j, 0, d)], a, n);
-                        pass::<1>(m, [Set::new(m, g0 + j, 1, d)], a, n);
+                        pass::<1>(m, [Set::new(m, g0 + j, 0, d, first)], a, n);
+                        pass::<1>(m, [Set::new(m, g0 + j, 1, d, first)], a, n);
                     } else {
-                        let lo = Set::new(m, g0 + j, 0, d);
-                        let hi = Set::new(m, g0 + j, 1, d);
+                        let lo = Set::new(m, g0 + j, 0, d, first);
+                        let hi = Set::new(m, g0 + j, 1, d, first);
                         pass::<2>(m, [lo, hi], a, n);
                     }
                 }
@@ -1637,9 +1642,14 @@ macro_rules! x86_path {
                     LookAhead::EVERYTHING
                 };
                 let (prefetch_blocks, weights_ahead) = ((ahead.bytes / pb).max(2), ahead.weights);
-                if i0 == 0 {
+                if i0 == 0 && (T > 2 || sets[0].first) {
                     // The stream's first blocks, which no look-ahead below asks for: a task
-                    // starts with several misses in flight instead of one or two.
+                    // starts with several misses in flight instead of one or two. Passes of one
+                    // or two rows ask for them only in a task's first group: the look-ahead of
+                    // each group's pass runs on into the next group's first blocks, and asking
+                    // again (16 blocks' lines at every group) took 1.01-1.03x in decoding steps
+                    // and two-node trees (in-process A/B, SmolLM2-135M and Qwen2.5-Coder; hot
+                    // one-row Q4_1 products 1.05x).
                     for s in 0..prefetch_blocks.min(m.blocks) {
                         for set in &sets {
                             block_ahead::<{ std::arch::x86_64::_MM_HINT_T0 }, MINS, PER>(
