@@ -28,6 +28,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use specinfer_kernels::profile;
 use specinfer_model::{fetch, load_gguf, KvCache, Llama, SeqTree};
@@ -80,7 +81,7 @@ struct Curve {
 /// quantized products and inside attention (timed with [`profile`] on, in runs of their own), and
 /// the same products' seconds with every weight already in cache
 /// ([`Llama::products_seconds_hot`]): what the kernels' arithmetic alone takes.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 struct TreeSplit {
     nodes: usize,
     forward: f64,
@@ -108,20 +109,7 @@ impl Curve {
                 .iter()
                 .map(|f| Ok((num(&f[0])? as usize, num(&f[1])? as usize, num(&f[2])?)))
                 .collect::<Result<_>>()?,
-            splits: v["splits"]
-                .as_array()
-                .context("splits")?
-                .iter()
-                .map(|f| {
-                    Ok(TreeSplit {
-                        nodes: num(&f[0])? as usize,
-                        forward: num(&f[1])?,
-                        products: num(&f[2])?,
-                        attention: num(&f[3])?,
-                        hot_products: num(&f[4])?,
-                    })
-                })
-                .collect::<Result<_>>()?,
+            splits: serde_json::from_value(v["splits"].clone()).context("splits")?,
         })
     }
 }
@@ -171,29 +159,38 @@ pub fn child(gguf: &Path, contexts: &[usize], reps: usize) -> Result<()> {
     Ok(())
 }
 
-/// [`TreeSplit`]'s figures for `tree` over `cache`, as `[nodes, forward, products, attention,
-/// hot products]` seconds: a warm-up forward, 3 timed with [`profile`] on, then the products hot.
-fn split_forwards(llm: &Llama, cache: &mut KvCache, tree: &TokenTree) -> Result<Value> {
+/// [`TreeSplit`] of `tree` over `cache`: a warm-up forward, 3 timed with [`profile`] on, then
+/// the products hot.
+fn split_forwards(llm: &Llama, cache: &mut KvCache, tree: &TokenTree) -> Result<TreeSplit> {
     const REPS: usize = 3;
     let cache = std::slice::from_mut(cache);
     median_forward_seconds(llm, cache, tree, 1)?;
-    profile::enable(true);
+    let (seconds, split) = timed(true, || {
+        for _ in 0..REPS {
+            median_forward_seconds(llm, cache, tree, 1)?;
+        }
+        Ok(())
+    })?;
+    let per_forward = |total: f64| total / REPS as f64;
+    Ok(TreeSplit {
+        nodes: tree.len(),
+        forward: per_forward(seconds),
+        products: per_forward(split.products.as_secs_f64()),
+        attention: per_forward(split.attention.as_secs_f64()),
+        hot_products: llm.products_seconds_hot(tree.len(), 4)?,
+    })
+}
+
+/// The seconds `run` takes and, where `profiled`, where they went: [`profile`] sums over that
+/// run alone.
+fn timed(profiled: bool, run: impl FnOnce() -> Result<()>) -> Result<(f64, profile::Split)> {
+    profile::enable(profiled);
     profile::take();
     let t = Instant::now();
-    for _ in 0..REPS {
-        median_forward_seconds(llm, cache, tree, 1)?;
-    }
-    let forward = t.elapsed().as_secs_f64() / REPS as f64;
+    run()?;
+    let seconds = t.elapsed().as_secs_f64();
     profile::enable(false);
-    let split = profile::take();
-    let hot = llm.products_seconds_hot(tree.len(), 4)?;
-    Ok(json!([
-        tree.len(),
-        forward,
-        split.products.as_secs_f64() / REPS as f64,
-        split.attention.as_secs_f64() / REPS as f64,
-        hot
-    ]))
+    Ok((seconds, profile::take()))
 }
 
 /// Tokens each side decodes per round: llama-bench's tg32.
@@ -219,19 +216,17 @@ pub fn decode_child(gguf: &Path) -> Result<()> {
         let last = llm.prefill(&mut cache, &prompt)?;
         // The first of equal maxima, as the model's own argmax.
         let mut next = (0..last.len()).fold(0, |b, i| if last[i] > last[b] { i } else { b }) as u32;
-        profile::enable(run == 2);
-        profile::take();
-        let t = Instant::now();
-        for _ in 0..DECODE_TOKENS {
-            let tree = TokenTree::root(next);
-            let logits = llm.forward(&mut [SeqTree::new(&mut cache, &tree)])?;
-            cache.commit_scratch();
-            next = logits[0].argmax(0);
-        }
-        let seconds = t.elapsed().as_secs_f64();
+        let (seconds, run_split) = timed(run == 2, || {
+            for _ in 0..DECODE_TOKENS {
+                let tree = TokenTree::root(next);
+                let logits = llm.forward(&mut [SeqTree::new(&mut cache, &tree)])?;
+                cache.commit_scratch();
+                next = logits[0].argmax(0);
+            }
+            Ok(())
+        })?;
         if run == 2 {
-            profile::enable(false);
-            split = (profile::take(), seconds);
+            split = (run_split, seconds);
         } else {
             rate = DECODE_TOKENS as f64 / seconds;
         }
