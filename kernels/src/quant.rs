@@ -1642,6 +1642,24 @@ macro_rules! x86_path {
                     LookAhead::EVERYTHING
                 };
                 let (prefetch_blocks, weights_ahead) = ((ahead.bytes / pb).max(2), ahead.weights);
+                // Q4_1's mins' term of block `s` (into `off`: the same sums in the same order,
+                // whether in the block loop or a pass of its own after it).
+                let min_term = |s: usize, off: &mut [[F; S]; T]| {
+                    let mn: [F; S] = std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, true));
+                    for t in 0..T {
+                        let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
+                        for j in 0..S {
+                            off[t][j] = fmadd_f(mn[j], ds, off[t][j]);
+                        }
+                    }
+                };
+                // With one or two rows' sums to keep (a decoding step, a two-node tree), the
+                // mins' terms go in the block loop: their pass of its own, a chain of dependent
+                // multiply-adds, took 3-6 % of a hot one-row Q4_1 product (one core), and 1-2 %
+                // of SmolLM2-135M's decoding steps and two-node trees (in-process A/B, AMD EPYC
+                // Zen 4, 2 threads; AVX2 path 0.2-1.3 %). With more rows their registers would
+                // crowd the loop's (4 rows: no faster).
+                let fused_mins = MINS && PER == 1 && T * S <= 2;
                 if i0 == 0 && (T > 2 || sets[0].first) {
                     // The stream's first blocks, which no look-ahead below asks for: a task
                     // starts with several misses in flight instead of one or two. Passes of one
@@ -1800,6 +1818,9 @@ macro_rules! x86_path {
                                     fmadd_f(to_f(block_sum(t, j)), mul_f(sc[j], da), acc[t][j]);
                             }
                         }
+                        if fused_mins {
+                            min_term(s, &mut off);
+                        }
                         continue;
                     }
                     if coded {
@@ -1829,20 +1850,16 @@ macro_rules! x86_path {
                         fold_super::<T, S, PER>(m, &sets, a, i0, s, false, &mut ksum, &mut acc);
                     }
                 }
-                // The mins' terms accumulate separately (as in the contract): a second pass keeps
-                // the integer loop's registers free. The K formats' come two blocks at a time, one
-                // `vpmaddwd` of both blocks' codes and activation sums (exact), instead of a 32-bit
-                // multiply a block: Q4_K products of 4 to 32 activation rows took 0.93-0.94 of the
-                // time (a hot 1536 x 1536 matrix, 2 threads, AMD EPYC Zen 4), one row 0.99.
+                // The mins' terms accumulate separately (as in the contract): where not fused
+                // above, a second pass keeps the integer loop's registers free. The K formats'
+                // come two blocks at a time, one `vpmaddwd` of both blocks' codes and activation
+                // sums (exact), instead of a 32-bit multiply a block: Q4_K products of 4 to 32
+                // activation rows took 0.93-0.94 of the time (a hot 1536 x 1536 matrix, 2
+                // threads, AMD EPYC Zen 4), one row 0.99.
                 if MINS && PER == 1 {
-                    for s in 0..m.blocks {
-                        let mn: [F; S] =
-                            std::array::from_fn(|j| stored::<PER>(m, &sets[j], s, true));
-                        for t in 0..T {
-                            let ds = splat_f(*a.dsum.get_unchecked((i0 + t) * m.blocks + s));
-                            for j in 0..S {
-                                off[t][j] = fmadd_f(mn[j], ds, off[t][j]);
-                            }
+                    if !fused_mins {
+                        for s in 0..m.blocks {
+                            min_term(s, &mut off);
                         }
                     }
                 } else if MINS {
@@ -2220,7 +2237,7 @@ mod tests {
             let mut all = vec![0f32; 64 * rows];
             matmul_many_on(Path::Portable, &[&m], &x, 64, &mut [&mut all[..]]);
             for path in Path::available() {
-                for (i, n) in [(0usize, 1usize), (5, 3), (16, 17), (63, 1), (0, 64)] {
+                for (i, n) in [(0usize, 1usize), (20, 2), (5, 3), (16, 17), (63, 1), (0, 64)] {
                     let mut part = vec![0f32; n * rows];
                     matmul_many_on(
                         path,
