@@ -15,6 +15,7 @@ pub mod projection;
 pub mod quant;
 pub mod sampling;
 mod team;
+mod weight_buffer;
 
 pub use attention::{tree_attention, AttentionShape, KvRows};
 pub use lanes::{rms_norm, swiglu};

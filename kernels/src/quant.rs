@@ -45,6 +45,7 @@
 use std::cell::Cell;
 
 use crate::lanes::{self, dispatch, Arith, SyncPtr};
+use crate::weight_buffer::WeightBuffer;
 use crate::{profile, team};
 
 /// GGML formats this kernel handles (GGML's names).
@@ -330,130 +331,13 @@ pub struct QuantMatrix {
     /// `[row group][block]` of `format.packed_bytes()` each.
     qs: WeightBuffer,
     /// f16 bits, `[row group][super-block][16 rows]`: the block scale, or the K formats' d.
-    scales: Vec<u16>,
+    scales: WeightBuffer<u16>,
     /// f16 bits, same layout; formats with a min only (Q4_K: minus dmin).
-    mins: Vec<u16>,
+    mins: WeightBuffer<u16>,
     /// `[row group][block][16 rows]`, K formats: the block scale's multiple of d (Q6_K: i8).
-    scale_codes: Vec<u8>,
+    scale_codes: WeightBuffer,
     /// Same layout, Q4_K: the block min's multiple of minus dmin.
-    min_codes: Vec<u8>,
-}
-
-/// A zeroed buffer for weights that every forward streams through. On Linux one of 2 MB or
-/// more is mapped on its own, 2 MB aligned, and asks for transparent huge pages over its whole
-/// 2 MB pages before the first write (`madvise`; the kernel's `madvise` mode, a common default,
-/// gives them to no one who does not ask), so a forward's walk over hundreds of MB uses 2 MB TLB
-/// entries instead of 4 KB ones. (A buffer from the allocator may be heap memory already touched
-/// in 4 KB pages, which advice cannot change.) Where the kernel declines, the pages are ordinary.
-struct WeightBuffer(Storage);
-
-enum Storage {
-    Heap(Vec<u8>),
-    /// A mapping of this many bytes (4 KB pages) holding the buffer's `len`.
-    #[cfg(target_os = "linux")]
-    Mapped {
-        start: std::ptr::NonNull<u8>,
-        mapped: usize,
-        len: usize,
-    },
-}
-
-// SAFETY: the buffer owns its memory exclusively, as a Vec<u8> does.
-unsafe impl Send for WeightBuffer {}
-// SAFETY: shared access is read-only, through `Deref`.
-unsafe impl Sync for WeightBuffer {}
-
-impl WeightBuffer {
-    fn zeroed(len: usize) -> WeightBuffer {
-        #[cfg(target_os = "linux")]
-        if let Some(mapped) = Self::map_huge(len) {
-            return mapped;
-        }
-        WeightBuffer(Storage::Heap(vec![0; len]))
-    }
-
-    #[cfg(target_os = "linux")]
-    fn map_huge(len: usize) -> Option<WeightBuffer> {
-        const HUGE: usize = 2 << 20;
-        const PAGE: usize = 4096;
-        if len < HUGE {
-            return None;
-        }
-        let size = len.next_multiple_of(PAGE) + HUGE;
-        // SAFETY: an anonymous private mapping, checked below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return None;
-        }
-        // Keep a 2 MB aligned start, give back the rest; advise the whole 2 MB pages (the
-        // tail's partial one stays in 4 KB pages, costing no more memory than it holds).
-        let base = p as usize;
-        let start = base.next_multiple_of(HUGE);
-        let mapped = len.next_multiple_of(PAGE);
-        // SAFETY: both pieces lie inside the mapping made above and are not used.
-        unsafe {
-            if start > base {
-                libc::munmap(p, start - base);
-            }
-            let tail = base + size - (start + mapped);
-            if tail > 0 {
-                libc::munmap((start + mapped) as *mut libc::c_void, tail);
-            }
-            libc::madvise(
-                start as *mut libc::c_void,
-                len / HUGE * HUGE,
-                libc::MADV_HUGEPAGE,
-            );
-        }
-        let start = std::ptr::NonNull::new(start as *mut u8)?;
-        Some(WeightBuffer(Storage::Mapped { start, mapped, len }))
-    }
-}
-
-impl std::ops::Deref for WeightBuffer {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match &self.0 {
-            Storage::Heap(v) => v,
-            // SAFETY: the mapping holds `len` zero-initialised bytes while self lives.
-            #[cfg(target_os = "linux")]
-            Storage::Mapped { start, len, .. } => unsafe {
-                std::slice::from_raw_parts(start.as_ptr(), *len)
-            },
-        }
-    }
-}
-
-impl std::ops::DerefMut for WeightBuffer {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        match &mut self.0 {
-            Storage::Heap(v) => v,
-            // SAFETY: as in deref; `&mut self` makes this the only access.
-            #[cfg(target_os = "linux")]
-            Storage::Mapped { start, len, .. } => unsafe {
-                std::slice::from_raw_parts_mut(start.as_ptr(), *len)
-            },
-        }
-    }
-}
-
-impl Drop for WeightBuffer {
-    fn drop(&mut self) {
-        #[cfg(target_os = "linux")]
-        if let Storage::Mapped { start, mapped, .. } = self.0 {
-            // SAFETY: the mapping made in `map_huge`, unmapped once.
-            unsafe { libc::munmap(start.as_ptr() as *mut libc::c_void, mapped) };
-        }
-    }
+    min_codes: WeightBuffer,
 }
 
 fn f16(bits: u16) -> f32 {
@@ -494,22 +378,18 @@ impl QuantMatrix {
             blocks,
             supers,
             qs: WeightBuffer::zeroed(groups * blocks * format.packed_bytes()),
-            scales: vec![0; groups * supers * ROWS],
-            mins: if format.has_mins() {
-                vec![0; groups * supers * ROWS]
+            scales: WeightBuffer::zeroed(groups * supers * ROWS),
+            mins: WeightBuffer::zeroed(if format.has_mins() {
+                groups * supers * ROWS
             } else {
-                Vec::new()
-            },
-            scale_codes: if coded {
-                vec![0; groups * blocks * ROWS]
+                0
+            }),
+            scale_codes: WeightBuffer::zeroed(if coded { groups * blocks * ROWS } else { 0 }),
+            min_codes: WeightBuffer::zeroed(if coded && format.has_mins() {
+                groups * blocks * ROWS
             } else {
-                Vec::new()
-            },
-            min_codes: if coded && format.has_mins() {
-                vec![0; groups * blocks * ROWS]
-            } else {
-                Vec::new()
-            },
+                0
+            }),
         };
         let (mut u, mut params) = (vec![0u8; cols], DecodedParams::default());
         let (half, high) = (e / 8, format.high_bits());
@@ -2046,8 +1926,8 @@ mod tests {
         let m = QuantMatrix::from_ggml(QuantFormat::Q4_1, rows, cols, &data).unwrap();
         #[cfg(target_os = "linux")]
         assert!(
-            matches!(m.qs.0, Storage::Mapped { .. }),
-            "{} bytes on the heap",
+            m.qs.mapping() == Some(m.qs.as_ptr()),
+            "{} bytes not in a mapping of their own",
             m.qs.len()
         );
         for r in [0, 1000, rows - 1] {
@@ -2237,7 +2117,14 @@ mod tests {
             let mut all = vec![0f32; 64 * rows];
             matmul_many_on(Path::Portable, &[&m], &x, 64, &mut [&mut all[..]]);
             for path in Path::available() {
-                for (i, n) in [(0usize, 1usize), (20, 2), (5, 3), (16, 17), (63, 1), (0, 64)] {
+                for (i, n) in [
+                    (0usize, 1usize),
+                    (20, 2),
+                    (5, 3),
+                    (16, 17),
+                    (63, 1),
+                    (0, 64),
+                ] {
                     let mut part = vec![0f32; n * rows];
                     matmul_many_on(
                         path,
