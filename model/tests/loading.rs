@@ -35,8 +35,8 @@ fn safetensors_bf16_checkpoint_loads_and_matches() {
         .map(|(k, v)| (k.clone(), v.to_dtype(DType::BF16).unwrap()))
         .collect();
     candle_core::safetensors::save(&bf16, dir.join("model.safetensors")).unwrap();
-    write_config(&dir);
-    let loaded = Llama::from_safetensors(&dir).unwrap();
+    write_config(dir);
+    let loaded = Llama::from_safetensors(dir).unwrap();
     assert_eq!(loaded.config(), &cfg());
     let d = max_diff_to_f32_weights(&loaded);
     // bf16 keeps 8 bits of mantissa: logits move, but only by rounding.
@@ -44,7 +44,7 @@ fn safetensors_bf16_checkpoint_loads_and_matches() {
         d > 0.0 && d < 0.5,
         "bf16 checkpoint vs f32 weights: max diff {d}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 /// The tiny model's config.json (what [`cfg`] describes).
@@ -102,8 +102,8 @@ fn u8_embedding_rows_round_within_half_a_step_and_load() {
         Tensor::new(q.clone(), &candle_core::Device::Cpu).unwrap(),
     );
     candle_core::safetensors::save(&without_scale, &path).unwrap();
-    write_config(&dir);
-    let Err(err) = Llama::from_safetensors(&dir) else {
+    write_config(dir);
+    let Err(err) = Llama::from_safetensors(dir) else {
         panic!("a u8 tensor without its scale loaded")
     };
     let err = err.to_string();
@@ -113,9 +113,9 @@ fn u8_embedding_rows_round_within_half_a_step_and_load() {
     weights.insert(name.into(), q);
     weights.insert(format!("{name}_scale"), scale);
     candle_core::safetensors::save(&weights, &path).unwrap();
-    let d = max_diff_to_f32_weights(&Llama::from_safetensors(&dir).unwrap());
+    let d = max_diff_to_f32_weights(&Llama::from_safetensors(dir).unwrap());
     assert!(d > 0.0 && d < 0.1, "u8 embedding vs f32: max diff {d}");
-    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn write_gguf(path: &std::path::Path, arch: &str) {
@@ -160,5 +160,5 @@ fn unsupported_architecture_and_truncation_are_clear_errors() {
         "wrong error: {err}"
     );
     assert!(err.to_string().contains("truncated"));
-    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }
