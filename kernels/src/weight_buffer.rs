@@ -276,7 +276,11 @@ mod tests {
         assert_eq!(first.start.as_ptr() as usize % HUGE, 0, "2 MB aligned");
         let (second, at) = shared.cut(1000).unwrap();
         assert!(Arc::ptr_eq(&first, &second));
-        assert_eq!(at, 2 * ALIGN, "the first line after the first buffer's 100 bytes");
+        assert_eq!(
+            at,
+            2 * ALIGN,
+            "the first line after the first buffer's 100 bytes"
+        );
         // One that no longer fits starts a new mapping; the old one lives on with its buffers.
         let (third, at) = shared.cut(SHARED_BYTES - 1000).unwrap();
         assert!(!Arc::ptr_eq(&first, &third));
