@@ -179,24 +179,34 @@ impl QuantFormat {
     /// How a first pass over a row group with `rows` activation rows asks for its blocks, on
     /// the VNNI paths: block by block for one or two rows, and in the burst that starts every
     /// task (passes of more rows fetch the next row group whole instead, see `tile`). The CPU's
-    /// own prefetchers stream Q8_0's packed weights faster unasked, and Q4_K's for one row (a
-    /// decoding step); Q5_0's one-row passes ask 2 KB ahead. Measured on matrices of 94-124 MB
-    /// (far beyond the caches), 2 threads, AMD EPYC Zen 4, against [`LookAhead::EVERYTHING`], as
-    /// fractions of a plain read of the same bytes:
+    /// own prefetchers stream Q8_0's packed weights faster unasked; one-row passes (a decoding
+    /// step) of Q4_K, Q6_K and Q4_1 ask 1 KB ahead, Q5_0's 2 KB. Measured on matrices of 94-124
+    /// MB (far beyond the caches), 2 threads, AMD EPYC Zen 4, against [`LookAhead::EVERYTHING`],
+    /// as fractions of a plain read of the same bytes:
     /// - Q8_0, one row: 1.01-1.02 instead of 0.91-0.94 (0.96 instead of 0.64 in a process whose
     ///   memory read at 71 GB/s); 2 rows 0.97-1.03 instead of 0.83-0.87; 3 and 4 rows 0.94 and
     ///   0.92 instead of 0.73 and 0.72.
-    /// - Q4_K, one row: 0.96-0.98 instead of 0.87-0.92.
     /// - Q5_0, one row: 0.98 at 2 KB instead of 0.89 at 4 KB.
-    /// - Q4_1 and Q6_K: no faster either way.
+    ///
+    /// Q4_K's one-row passes once measured fastest unasked (0.96-0.98 of a plain read, against
+    /// 0.87-0.92 at 4 KB). Measured again since (a 113 MB matrix, blocks of 4 products
+    /// alternating in one process, 2 threads): asking 1 KB ahead took 0.87-0.95 of the time of
+    /// asking nothing, 2 KB 0.87-0.91, 4 KB 0.95-0.98, 16 KB 1.10; Q6_K and Q4_1 at 1 KB took
+    /// 0.94-0.97 and 0.93-0.95 of their time at 4 KB (Q8_0 at 1 or 2 KB: 1.18-1.20). In the
+    /// model, alternating blocks of 4 decoding steps: Qwen2.5-Coder-1.5B 0.96-0.99 of the time,
+    /// SmolLM2-135M (Q4_1) 0.96-0.99, Qwen2.5-Coder-0.5B 1.00.
     ///
     /// The AVX2 path, whose passes take more instructions a block, asks for everything: without
     /// Q4_K's weights asked for, Qwen2.5-Coder-1.5B's decoding step there took 1.09x.
     #[cfg(target_arch = "x86_64")]
     fn look_ahead(self, rows: usize) -> LookAhead {
         match (self, rows) {
-            (QuantFormat::Q8_0, 1..=4) | (QuantFormat::Q4_K, 1) => LookAhead {
+            (QuantFormat::Q8_0, 1..=4) => LookAhead {
                 weights: false,
+                ..LookAhead::EVERYTHING
+            },
+            (QuantFormat::Q4_K | QuantFormat::Q6_K | QuantFormat::Q4_1, 1) => LookAhead {
+                bytes: 1024,
                 ..LookAhead::EVERYTHING
             },
             (QuantFormat::Q5_0, 1) => LookAhead {
