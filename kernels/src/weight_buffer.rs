@@ -85,8 +85,8 @@ impl<T: Zeroed> WeightBuffer<T> {
         }))
     }
 
-    /// Whether the buffer lies in a mapping shared with others (a small buffer's), or in one
-    /// of its own; `None` on the heap.
+    /// The start of the mapping the buffer lies in (its own start where the mapping is its own,
+    /// an earlier address where it was cut from a shared one); `None` on the heap.
     #[cfg(all(test, target_os = "linux"))]
     pub(crate) fn mapping(&self) -> Option<*const u8> {
         match &self.0 {
