@@ -5,8 +5,11 @@
 //! The committed prefix is what costs (hundreds to thousands of positions against a handful of
 //! tree nodes), and every node and every query head of a GQA group sees all of it: so each K and
 //! V row of the prefix is read once per call and used for all of them, instead of once per
-//! (node, head). Softmax is two-pass (scores of a row kept, one max, one sum): a tree's score rows
-//! are small, and a row's result then depends on nothing but the row.
+//! (node, head). Over a short prefix the call's three parallel sections (scores, softmax,
+//! weighted sums) cost more in waits for the team than in arithmetic; there one section of
+//! tasks that each take some of a kv head's rows whole reads the prefix a few times instead
+//! ([`Sections`]). Softmax is two-pass (scores of a row kept, one max, one sum): a tree's score
+//! rows are small, and a row's result then depends on nothing but the row.
 //!
 //! The cache may hold f32 or f16 values ([`KvRows`]). f16 halves the bytes every decoded token
 //! reads from a long context (and the memory a session holds); each value is converted to f32 as
@@ -150,21 +153,80 @@ pub fn tree_attention(
     out: &mut [f32],
 ) {
     let started = profile::start();
+    // The same call whatever the cache's value type.
+    macro_rules! on {
+        ($k:expr, $v:expr) => {
+            attend(
+                None,
+                shape,
+                q,
+                $k,
+                $v,
+                past,
+                first,
+                ancestors,
+                words_per_node,
+                out,
+            )
+        };
+    }
     match (k, v) {
-        (KvRows::F32(k), KvRows::F32(v)) => {
-            attend(shape, q, k, v, past, first, ancestors, words_per_node, out)
-        }
-        (KvRows::F16(k), KvRows::F16(v)) => {
-            attend(shape, q, k, v, past, first, ancestors, words_per_node, out)
-        }
+        (KvRows::F32(k), KvRows::F32(v)) => on!(k, v),
+        (KvRows::F16(k), KvRows::F16(v)) => on!(k, v),
         _ => panic!("K and V caches of different value types"),
     }
     profile::attention_done(started);
 }
 
-/// [`tree_attention`] on a cache of `E` values (read in place: see [`CacheValue`]).
+/// How a call's work is cut into the compute team's sections. Either way every (node, head) row
+/// goes through the same operations in the same order, so the choice never changes a bit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Sections {
+    /// Three: prefix scores in tasks of (kv head, positions), each row's softmax, weighted sums
+    /// in tasks of (kv head, dimensions). Each K and V row of the prefix is read once per call,
+    /// however many nodes and heads use it: long prefixes.
+    Three,
+    /// One, of tasks that each take some of a kv head's rows (nodes times the group's heads)
+    /// whole: their scores, softmax and weighted sums, `splits` tasks per kv head, each reading
+    /// the head's whole prefix. Short prefixes, where two more waits for the team cost more
+    /// than reading the prefix again.
+    One { splits: usize },
+}
+
+/// The longest prefix [`Sections::One`] takes. Measured against [`Sections::Three`] in one
+/// process, blocks of 4 calls over every layer alternating (2 threads, AMD EPYC Zen 4, f16
+/// cache, a bushy tree): at 128 cached positions one section took 0.69-0.87 of the time for
+/// trees of 8 and 32 nodes (SmolLM2-135M's heads and Qwen2.5-Coder-1.5B's), 0.78-0.97 for one
+/// node; at 256, 0.74-1.00 for trees and 0.88-1.03 for one node; at 512, 1.00-1.11; at 1,024,
+/// up to 1.36x.
+const ONE_SECTION_PAST: usize = 256;
+
+/// A kv head's rows per task, at least, in [`Sections::One`]: a decoding step's few rows (3 or
+/// 6, one node's heads of a group) in one task each took 0.78-0.97 of the time of Three, split
+/// in two 0.92-1.15; a tree's rows (24 or 48 for 8 nodes) in two tasks per head 0.69-0.87.
+const ONE_SECTION_MIN_ROWS: usize = 8;
+
+impl Sections {
+    /// The cut for `rows` rows per kv head over a prefix of `past` positions on `threads`
+    /// threads: one section where the prefix is short, with enough tasks for every thread to
+    /// take two.
+    fn choose(past: usize, rows: usize, n_kv_heads: usize, threads: usize) -> Sections {
+        if past > ONE_SECTION_PAST {
+            return Sections::Three;
+        }
+        let splits = (2 * threads)
+            .div_ceil(n_kv_heads)
+            .min(rows / ONE_SECTION_MIN_ROWS)
+            .max(1);
+        Sections::One { splits }
+    }
+}
+
+/// [`tree_attention`] on a cache of `E` values (read in place: see [`CacheValue`]), in
+/// `sections` (chosen here when `None`: see [`Sections::choose`]).
 #[allow(clippy::too_many_arguments)]
 fn attend<E: CacheValue>(
+    sections: Option<Sections>,
     shape: AttentionShape,
     q: &[f32],
     k: &[E],
@@ -240,72 +302,104 @@ fn attend<E: CacheValue>(
         visible_at: &s.visible_at,
         offsets: &s.offsets,
     };
-    let scores = &mut s.scores;
-
-    // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every node
-    //    and every query head of its group.
-    const POSITIONS: usize = 64;
-    let chunks = past.div_ceil(POSITIONS);
-    let scores_ptr = SyncPtr(scores.as_mut_ptr());
-    team::for_each(n_kv_heads * chunks, |t| {
-        // Positions outermost: each thread's span of tasks is one run of positions, so that it
-        // streams a contiguous part of the cache.
-        let (kh, c) = (t % n_kv_heads, t / n_kv_heads);
-        let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
-        dispatch!(<E: CacheValue> prefix_scores::<A, E>(
-            a: &Attention<E> = &a,
-            kh: usize = kh,
-            positions: std::ops::Range<usize> = positions,
-            scores: &SyncPtr = &scores_ptr,
-        ));
-    });
-
-    // 2. Each row's tree scores and softmax weights.
-    let inv_sums = &mut s.inv_sums;
-    let inv_ptr = &SyncPtr(inv_sums.as_mut_ptr());
-    let scores_at = &scores_ptr;
-    team::for_each(n * n_heads, |r| {
-        // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`; each task
-        // is one row.
-        let (row, inv) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(
-                    scores_at.0.add(a.offsets[r]),
-                    a.offsets[r + 1] - a.offsets[r],
-                ),
-                &mut *inv_ptr.0.add(r),
-            )
-        };
-        *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(a: &Attention<E> = &a, r: usize = r, row: &mut [f32] = row) -> f32);
-    });
-
-    // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
-    //    every node and head, and each output keeps its accumulators in registers.
+    let scores_ptr = SyncPtr(s.scores.as_mut_ptr());
+    let inv_ptr = SyncPtr(s.inv_sums.as_mut_ptr());
     let out_ptr = SyncPtr(out.as_mut_ptr());
     let w = Weights {
-        scores,
-        inv_sums,
+        scores: &scores_ptr,
+        inv_sums: &inv_ptr,
         out: &out_ptr,
     };
+    // The weighted sums go `D` dimensions at a time, the widest that divides the head.
     macro_rules! by_chunk {
-        ($done:lifetime; $($d:literal)*) => {
+        ($done:lifetime, $run:ident; $($d:literal)*) => {
             $(if head_dim.is_multiple_of($d) {
-                let chunks = head_dim / $d;
-                team::for_each(n_kv_heads * chunks, |t| {
-                    let (kh, d0) = (t / chunks, (t % chunks) * $d);
-                    dispatch!(<E: CacheValue> weighted_values::<A, E, $d>(
-                        a: &Attention<E> = &a,
-                        kh: usize = kh,
-                        d0: usize = d0,
-                        w: &Weights = &w,
-                    ));
-                });
+                $run!($d);
                 break $done;
             })*
         };
     }
-    'values: {
-        by_chunk!('values; 32 16 8 4 2 1);
+    let rows = n * a.group;
+    let sections = sections
+        .unwrap_or_else(|| Sections::choose(past, rows, n_kv_heads, rayon::current_num_threads()));
+    match sections {
+        Sections::One { splits } => {
+            let splits = splits.clamp(1, rows.max(1));
+            macro_rules! whole_rows {
+                ($d:literal) => {
+                    // Kv heads innermost: each thread's span of tasks covers the heads alike.
+                    team::for_each(n_kv_heads * splits, |t| {
+                        let (kh, part) = (t % n_kv_heads, t / n_kv_heads);
+                        let task_rows = part * rows / splits..(part + 1) * rows / splits;
+                        dispatch!(<E: CacheValue> head_rows::<A, E, $d>(
+                            a: &Attention<E> = &a,
+                            kh: usize = kh,
+                            rows: std::ops::Range<usize> = task_rows,
+                            w: &Weights = &w,
+                        ));
+                    })
+                };
+            }
+            'one: {
+                by_chunk!('one, whole_rows; 32 16 8 4 2 1);
+            }
+        }
+        Sections::Three => {
+            // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every node
+            //    and every query head of its group.
+            let chunks = past.div_ceil(POSITIONS);
+            team::for_each(n_kv_heads * chunks, |t| {
+                // Positions outermost: each thread's span of tasks is one run of positions, so that it
+                // streams a contiguous part of the cache.
+                let (kh, c) = (t % n_kv_heads, t / n_kv_heads);
+                let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
+                dispatch!(<E: CacheValue> prefix_scores::<A, E>(
+                    a: &Attention<E> = &a,
+                    kh: usize = kh,
+                    rows: std::ops::Range<usize> = 0..rows,
+                    positions: std::ops::Range<usize> = positions,
+                    scores: &SyncPtr = &scores_ptr,
+                ));
+            });
+
+            // 2. Each row's tree scores and softmax weights.
+            let (scores_at, inv_at) = (&scores_ptr, &inv_ptr);
+            team::for_each(n * n_heads, |r| {
+                // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`; each task
+                // is one row.
+                let (row, inv) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(
+                            scores_at.0.add(a.offsets[r]),
+                            a.offsets[r + 1] - a.offsets[r],
+                        ),
+                        &mut *inv_at.0.add(r),
+                    )
+                };
+                *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(a: &Attention<E> = &a, r: usize = r, row: &mut [f32] = row) -> f32);
+            });
+
+            // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
+            //    every node and head, and each output keeps its accumulators in registers.
+            macro_rules! values {
+                ($d:literal) => {{
+                    let chunks = head_dim / $d;
+                    team::for_each(n_kv_heads * chunks, |t| {
+                        let (kh, d0) = (t / chunks, (t % chunks) * $d);
+                        dispatch!(<E: CacheValue> weighted_values::<A, E, $d>(
+                            a: &Attention<E> = &a,
+                            kh: usize = kh,
+                            task_rows: std::ops::Range<usize> = 0..rows,
+                            d0: usize = d0,
+                            w: &Weights = &w,
+                        ));
+                    });
+                }};
+            }
+            'values: {
+                by_chunk!('values, values; 32 16 8 4 2 1);
+            }
+        }
     }
     SCRATCH.set(scratch);
 }
@@ -331,6 +425,12 @@ impl<E> Attention<'_, E> {
         &self.visible[self.visible_at[i]..self.visible_at[i + 1]]
     }
 
+    /// Kv head `kh`'s row `j` (of `n * group`): node `j / group`'s query head `kh * group + j %
+    /// group`, as a row of the score rows (node-major).
+    fn row_of(&self, kh: usize, j: usize) -> usize {
+        (j / self.group) * self.shape.n_heads + kh * self.group + j % self.group
+    }
+
     fn query(&self, i: usize, h: usize) -> &[f32] {
         let hd = self.shape.head_dim;
         &self.q[(i * self.shape.n_heads + h) * hd..][..hd]
@@ -351,10 +451,33 @@ impl<E: CacheValue> Attention<'_, E> {
     }
 }
 
+/// Where a call's tasks find the score rows (softmax weights once normalised by `inv_sums`) and
+/// write their output. Raw: in one section a task writes its rows' scores while others write
+/// theirs.
 struct Weights<'a> {
-    scores: &'a [f32],
-    inv_sums: &'a [f32],
+    scores: &'a SyncPtr,
+    inv_sums: &'a SyncPtr,
     out: &'a SyncPtr,
+}
+
+impl Weights<'_> {
+    /// Row `r`'s weights. The caller has written them (an earlier section, or its own task).
+    fn row<'w, E>(&'w self, a: &Attention<E>, r: usize) -> &'w [f32] {
+        // SAFETY: row r's entries lie inside the scores buffer, and only the task that wrote
+        // them (or none, after their section) touches them now.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.scores.0.add(a.offsets[r]),
+                a.offsets[r + 1] - a.offsets[r],
+            )
+        }
+    }
+
+    /// One over the sum of row `r`'s weights (written as the row's weights were).
+    fn inv_sum(&self, r: usize) -> f32 {
+        // SAFETY: as in `row`.
+        unsafe { *self.inv_sums.0.add(r) }
+    }
 }
 
 /// Positions scored per pass over a query's vector: eight independent chains in flight.
@@ -381,6 +504,7 @@ fn prefetch_lines<A: Arith, E>(p: *const E, len: usize) {
 fn prefix_scores<A: Arith, E: CacheValue>(
     a: &Attention<E>,
     kh: usize,
+    rows: std::ops::Range<usize>,
     positions: std::ops::Range<usize>,
     scores: &SyncPtr,
 ) {
@@ -390,10 +514,10 @@ fn prefix_scores<A: Arith, E: CacheValue>(
         let mut buf = WIDENED.take();
         let k = widen_rows::<A, E>(a.k, first, stride, positions.len(), hd, &mut buf);
         // Widened rows were asked for as they were widened, and are in cache now.
-        score_rows::<A, E, f32>(a, kh, positions, (k, 0, hd), false, scores);
+        score_rows::<A, E, f32>(a, kh, rows, positions, (k, 0, hd), false, scores);
         WIDENED.set(buf);
     } else {
-        score_rows::<A, E, E>(a, kh, positions, (a.k, first, stride), true, scores);
+        score_rows::<A, E, E>(a, kh, rows, positions, (a.k, first, stride), true, scores);
     }
 }
 
@@ -404,6 +528,7 @@ fn prefix_scores<A: Arith, E: CacheValue>(
 fn score_rows<A: Arith, E, T: CacheValue>(
     a: &Attention<E>,
     kh: usize,
+    rows: std::ops::Range<usize>,
     positions: std::ops::Range<usize>,
     (k, k0, stride): (&[T], usize, usize),
     ask_ahead: bool,
@@ -429,10 +554,11 @@ fn score_rows<A: Arith, E, T: CacheValue>(
         for p in pos + PREFETCH_AHEAD..pos + PREFETCH_AHEAD + len {
             k_ahead(p);
         }
-        for i in 0..a.n {
-            for h in kh * a.group..(kh + 1) * a.group {
-                let q = a.query(i, h);
-                let row = a.offsets[i * a.shape.n_heads + h];
+        for j in rows.clone() {
+            {
+                let r = a.row_of(kh, j);
+                let q = a.query(r / a.shape.n_heads, r % a.shape.n_heads);
+                let row = a.offsets[r];
                 // SAFETY: prefix entries `pos..pos + len` of row (i, h) are inside the buffer,
                 // and only the task of (kv head kh, these positions) writes them.
                 let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
@@ -447,6 +573,40 @@ fn score_rows<A: Arith, E, T: CacheValue>(
             }
         }
         pos += len;
+    }
+}
+
+/// Prefix positions per task of a call's first step (and per widened block of K rows).
+const POSITIONS: usize = 64;
+
+/// Kv head `kh`'s rows `rows` (of `n * group`) whole, in one task: their prefix scores, their
+/// tree scores and softmax weights, and their weighted sums of V.
+#[inline(always)]
+fn head_rows<A: Arith, E: CacheValue, const D: usize>(
+    a: &Attention<E>,
+    kh: usize,
+    rows: std::ops::Range<usize>,
+    w: &Weights,
+) {
+    for start in (0..a.past).step_by(POSITIONS) {
+        let positions = start..(start + POSITIONS).min(a.past);
+        prefix_scores::<A, E>(a, kh, rows.clone(), positions, w.scores);
+    }
+    for j in rows.clone() {
+        let r = a.row_of(kh, j);
+        // SAFETY: row r's scores and sum are this task's alone (its rows are no other task's).
+        let row = unsafe {
+            std::slice::from_raw_parts_mut(
+                w.scores.0.add(a.offsets[r]),
+                a.offsets[r + 1] - a.offsets[r],
+            )
+        };
+        let inv = softmax_row::<A, E>(a, r, row);
+        // SAFETY: as above.
+        unsafe { *w.inv_sums.0.add(r) = inv };
+    }
+    for d0 in (0..a.shape.head_dim).step_by(D) {
+        weighted_values::<A, E, D>(a, kh, rows.clone(), d0, w);
     }
 }
 
@@ -473,16 +633,16 @@ fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, row: &mut [f
 fn weighted_values<A: Arith, E: CacheValue, const D: usize>(
     a: &Attention<E>,
     kh: usize,
+    task_rows: std::ops::Range<usize>,
     d0: usize,
     w: &Weights,
 ) {
     const BLOCK: usize = 64;
-    // The task's rows: row j is node j / group's head kh * group + j % group.
-    let rows = a.n * a.group;
-    let row_of = |j: usize| (j / a.group) * a.shape.n_heads + kh * a.group + j % a.group;
+    let rows = task_rows.len();
+    let row_of = |j: usize| a.row_of(kh, task_rows.start + j);
     let weights_of = |j: usize| {
         let r = row_of(j);
-        &w.scores[a.offsets[r]..a.offsets[r + 1]]
+        w.row(a, r)
     };
     let at = |t: usize| a.at(t, kh, d0);
     let ask = |ts: std::ops::Range<usize>| {
@@ -526,7 +686,7 @@ fn weighted_values<A: Arith, E: CacheValue, const D: usize>(
         for (d, (even, odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
             // SAFETY: dimensions d0..d0 + D of row r are inside `out`, and only the task of
             // (kv head kh, these dimensions) writes them.
-            unsafe { *w.out.0.add(o + d) = (even + odd) * w.inv_sums[r] };
+            unsafe { *w.out.0.add(o + d) = (even + odd) * w.inv_sum(r) };
         }
     }
     ACCUMULATORS.set(buf);
@@ -682,6 +842,84 @@ mod tests {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(err < 1e-5, "n={n} past={past}: max abs err {err}");
+        }
+    }
+
+    /// One section and three give the same bits, however the rows are split: every row goes
+    /// through the same operations in the same order. Prefixes shorter and longer than a block,
+    /// trees extended from earlier nodes (`first`), f32 and f16 caches, grouped heads.
+    #[test]
+    fn one_section_gives_the_bits_of_three() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+        let cases = [
+            // (nodes, past, first, heads, kv heads, head_dim)
+            (1usize, 0usize, 0usize, 6usize, 2usize, 12usize),
+            (1, 130, 0, 9, 3, 64),
+            (8, 128, 0, 12, 2, 128),
+            (5, 70, 2, 6, 2, 32),
+            (33, 9, 0, 6, 3, 16),
+            (3, 300, 1, 4, 4, 8),
+        ];
+        for &(n, past, first, n_heads, n_kv_heads, head_dim) in &cases {
+            let shape = AttentionShape {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+            };
+            // A random tree of first + n nodes; the queries are its last n.
+            let total = first + n;
+            let wpn = total.div_ceil(64);
+            let mut all = vec![0u64; total * wpn];
+            for i in 0..total {
+                if i > 0 {
+                    let p = rng.random_range(0..i);
+                    for w in 0..wpn {
+                        all[i * wpn + w] = all[p * wpn + w];
+                    }
+                }
+                all[i * wpn + i / 64] |= 1 << (i % 64);
+            }
+            let bits = &all[first * wpn..];
+            let mut r = |len| {
+                (0..len)
+                    .map(|_| half::f16::from_f32(rng.random_range(-2.0f32..2.0)))
+                    .collect::<Vec<_>>()
+            };
+            let q: Vec<f32> = r(n * n_heads * head_dim)
+                .iter()
+                .map(|h| h.to_f32())
+                .collect();
+            let kv_len = (past + total) * n_kv_heads * head_dim;
+            let (k16, v16) = (r(kv_len), r(kv_len));
+            let widen = |h: &[half::f16]| h.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+            let (k32, v32) = (widen(&k16), widen(&v16));
+            let run_f32 = |sections| {
+                let mut out = vec![0f32; q.len()];
+                attend(
+                    sections, shape, &q, &k32, &v32, past, first, bits, wpn, &mut out,
+                );
+                out
+            };
+            let run_f16 = |sections| {
+                let mut out = vec![0f32; q.len()];
+                attend(
+                    sections, shape, &q, &k16, &v16, past, first, bits, wpn, &mut out,
+                );
+                out
+            };
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            let three = run_f32(Some(Sections::Three));
+            assert!(same(&three, &run_f16(Some(Sections::Three))));
+            for splits in [1, 2, 3, 7, 1000] {
+                let one = Some(Sections::One { splits });
+                assert!(
+                    same(&three, &run_f32(one)) && same(&three, &run_f16(one)),
+                    "n={n} past={past} first={first} splits={splits}: one section differs"
+                );
+            }
+            // The choice made for the call's own shape, too.
+            assert!(same(&three, &run_f32(None)));
         }
     }
 
