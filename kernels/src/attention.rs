@@ -345,12 +345,12 @@ fn attend<E: CacheValue>(
             }
         }
         Sections::Three => {
-            // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every node
-            //    and every query head of its group.
+            // 1. Prefix scores, in tasks of (kv head, positions): a K row is read once for every
+            //    node and every query head of its group.
             let chunks = past.div_ceil(POSITIONS);
             team::for_each(n_kv_heads * chunks, |t| {
-                // Positions outermost: each thread's span of tasks is one run of positions, so that it
-                // streams a contiguous part of the cache.
+                // Positions outermost: each thread's span of tasks is one run of positions, so
+                // that it streams a contiguous part of the cache.
                 let (kh, c) = (t % n_kv_heads, t / n_kv_heads);
                 let positions = c * POSITIONS..((c + 1) * POSITIONS).min(past);
                 dispatch!(<E: CacheValue> prefix_scores::<A, E>(
@@ -365,8 +365,8 @@ fn attend<E: CacheValue>(
             // 2. Each row's tree scores and softmax weights.
             let (scores_at, inv_at) = (&scores_ptr, &inv_ptr);
             team::for_each(n * n_heads, |r| {
-                // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`; each task
-                // is one row.
+                // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`;
+                // each task is one row.
                 let (row, inv) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(
@@ -376,11 +376,15 @@ fn attend<E: CacheValue>(
                         &mut *inv_at.0.add(r),
                     )
                 };
-                *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(a: &Attention<E> = &a, r: usize = r, row: &mut [f32] = row) -> f32);
+                *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(
+                    a: &Attention<E> = &a,
+                    r: usize = r,
+                    row: &mut [f32] = row,
+                ) -> f32);
             });
 
-            // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once for
-            //    every node and head, and each output keeps its accumulators in registers.
+            // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once
+            //    for every node and head, and each output keeps its accumulators in registers.
             macro_rules! values {
                 ($d:literal) => {{
                     let chunks = head_dim / $d;
@@ -555,20 +559,18 @@ fn score_rows<A: Arith, E, T: CacheValue>(
             k_ahead(p);
         }
         for j in rows.clone() {
-            {
-                let r = a.row_of(kh, j);
-                let q = a.query(r / a.shape.n_heads, r % a.shape.n_heads);
-                let row = a.offsets[r];
-                // SAFETY: prefix entries `pos..pos + len` of row (i, h) are inside the buffer,
-                // and only the task of (kv head kh, these positions) writes them.
-                let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
-                // A block and single positions give the same bits (see `Arith::dots`).
-                if len == SCORE_BLOCK {
-                    A::scaled_dots8(q, k, k_at(pos), stride, a.scale, dst);
-                } else {
-                    for (p, d) in dst.iter_mut().enumerate() {
-                        *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;
-                    }
+            let r = a.row_of(kh, j);
+            let q = a.query(r / a.shape.n_heads, r % a.shape.n_heads);
+            let row = a.offsets[r];
+            // SAFETY: prefix entries `pos..pos + len` of row r are inside the buffer, and only
+            // the task of (kv head kh, these rows and positions) writes them.
+            let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
+            // A block and single positions give the same bits (see `Arith::dots`).
+            if len == SCORE_BLOCK {
+                A::scaled_dots8(q, k, k_at(pos), stride, a.scale, dst);
+            } else {
+                for (p, d) in dst.iter_mut().enumerate() {
+                    *d = A::dots(q, [k_row(pos + p)])[0] * a.scale;
                 }
             }
         }
