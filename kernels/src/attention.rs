@@ -362,25 +362,13 @@ fn attend<E: CacheValue>(
                 ));
             });
 
-            // 2. Each row's tree scores and softmax weights.
-            let (scores_at, inv_at) = (&scores_ptr, &inv_ptr);
+            // 2. Each row's tree scores and softmax weights, a task a row.
             team::for_each(n * n_heads, |r| {
-                // SAFETY: row `r` owns scores `offsets[r]..offsets[r + 1]` and `inv_sums[r]`;
-                // each task is one row.
-                let (row, inv) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(
-                            scores_at.0.add(a.offsets[r]),
-                            a.offsets[r + 1] - a.offsets[r],
-                        ),
-                        &mut *inv_at.0.add(r),
-                    )
-                };
-                *inv = dispatch!(<E: CacheValue> softmax_row::<A, E>(
+                dispatch!(<E: CacheValue> softmax_row::<A, E>(
                     a: &Attention<E> = &a,
                     r: usize = r,
-                    row: &mut [f32] = row,
-                ) -> f32);
+                    w: &Weights = &w,
+                ));
             });
 
             // 3. Weighted sums of V, in tasks of (kv head, head dimensions): a V row is read once
@@ -595,27 +583,27 @@ fn head_rows<A: Arith, E: CacheValue, const D: usize>(
         prefix_scores::<A, E>(a, kh, rows.clone(), positions, w.scores);
     }
     for j in rows.clone() {
-        let r = a.row_of(kh, j);
-        // SAFETY: row r's scores and sum are this task's alone (its rows are no other task's).
-        let row = unsafe {
-            std::slice::from_raw_parts_mut(
-                w.scores.0.add(a.offsets[r]),
-                a.offsets[r + 1] - a.offsets[r],
-            )
-        };
-        let inv = softmax_row::<A, E>(a, r, row);
-        // SAFETY: as above.
-        unsafe { *w.inv_sums.0.add(r) = inv };
+        softmax_row::<A, E>(a, a.row_of(kh, j), w);
     }
     for d0 in (0..a.shape.head_dim).step_by(D) {
         weighted_values::<A, E, D>(a, kh, rows.clone(), d0, w);
     }
 }
 
-/// Fills in the row's tree scores, turns the row into unnormalised weights and returns one over
-/// their sum.
+/// Fills in row `r`'s tree scores, turns the row into unnormalised weights and stores one over
+/// their sum. Only the task that owns row `r` (its prefix scores already written) calls it.
 #[inline(always)]
-fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, row: &mut [f32]) -> f32 {
+fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, w: &Weights) {
+    // SAFETY: row r's scores and sum lie inside their buffers, and only this task touches them.
+    let (row, inv) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(
+                w.scores.0.add(a.offsets[r]),
+                a.offsets[r + 1] - a.offsets[r],
+            ),
+            &mut *w.inv_sums.0.add(r),
+        )
+    };
     let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);
     let (q, kh, hd) = (a.query(i, h), h / a.group, a.shape.head_dim);
     for (t, &pos) in a.visible(i).iter().enumerate() {
@@ -625,7 +613,7 @@ fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, row: &mut [f
     }
     let max = lanes::max(row);
     // A node always sees itself: the sum is at least 1.
-    1.0 / A::exp_shifted_sum(row, max)
+    *inv = 1.0 / A::exp_shifted_sum(row, max);
 }
 
 /// Weighted V sums for dimensions `d0..d0 + D` of kv head `kh`, for every node and head of the
