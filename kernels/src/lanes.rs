@@ -633,21 +633,39 @@ mod fused {
     }
 
     /// [`super::quantize_lanes`] in intrinsics, 32 values at a time (the compilers vectorised
-    /// the lane code across blocks, with gathers).
+    /// the lane code across blocks, with gathers), and the sums of the quantized values by
+    /// `sum_len` (16 or 32) from the integers before they are packed. The block's largest
+    /// magnitude is folded in registers: the same value as the lane code's fold (no lane holds a
+    /// NaN, and a maximum is exact in any order).
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn quantize_blocks(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
+    pub unsafe fn quantize_blocks(
+        x: &[f32],
+        block: usize,
+        sum_len: usize,
+        q: &mut [i8],
+        d: &mut [f32],
+        sums: &mut [i32],
+    ) {
         use super::ROUND;
         assert!(block.is_multiple_of(32), "blocks of 32 values");
+        assert!(sum_len == 16 || sum_len == 32, "sums of 16 or 32 values");
         let blocks = x.len() / block;
         assert!(
-            q.len() >= blocks * block && d.len() >= blocks,
-            "q or d too short"
+            q.len() >= blocks * block
+                && d.len() >= blocks
+                && sums.len() >= blocks * block / sum_len,
+            "q, d or sums too short"
         );
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let round = _mm256_set1_ps(ROUND);
         let round_bits = _mm256_set1_epi32(ROUND.to_bits() as i32);
         // After the two packs a block's bytes sit in 4-byte groups ordered 0, 2, 4, 6, 1, 3, 5, 7.
         let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        let sum8 = |v: __m256i| -> i32 {
+            let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+        };
         for (b, d) in d.iter_mut().enumerate().take(blocks) {
             let p = x.as_ptr().add(block * b);
             let mut m = _mm256_setzero_ps();
@@ -655,9 +673,9 @@ mod fused {
                 // max(|x|, m): a NaN input loses to m, as f32::max does.
                 m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(p.add(8 * c)), abs), m);
             }
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-            let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
             *d = amax / 127.0;
             let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
             for k in 0..block / 32 {
@@ -677,6 +695,16 @@ mod fused {
                 let bytes = _mm256_permutevar8x32_epi32(bytes, order);
                 let at = block * b + 32 * k;
                 _mm256_storeu_si256(q.as_mut_ptr().add(at) as *mut __m256i, bytes);
+                let (low, high) = (
+                    _mm256_add_epi32(ints[0], ints[1]),
+                    _mm256_add_epi32(ints[2], ints[3]),
+                );
+                if sum_len == 32 {
+                    *sums.get_unchecked_mut(at / 32) = sum8(_mm256_add_epi32(low, high));
+                } else {
+                    *sums.get_unchecked_mut(at / 16) = sum8(low);
+                    *sums.get_unchecked_mut(at / 16 + 1) = sum8(high);
+                }
             }
         }
     }
@@ -909,15 +937,26 @@ fn swiglu_lanes<A: Arith>(g: &mut [f32], u: &[f32]) {
 }
 
 /// Quantizes `x` to 8 bits per block of `block` values (a multiple of 32; `d = max|x| / 127`,
-/// round to nearest even), writing `q` and one `d` per block.
+/// round to nearest even), writing `q`, one `d` per block and `sums[i]`, the sum of the
+/// quantized values `i * sum_len..(i + 1) * sum_len` (`sum_len` 16 or 32: a weight block).
 /// No multiply-add: every compilation gives the same bits.
-pub(crate) fn quantize_blocks(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
+pub(crate) fn quantize_blocks(
+    x: &[f32],
+    block: usize,
+    sum_len: usize,
+    q: &mut [i8],
+    d: &mut [f32],
+    sums: &mut [i32],
+) {
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         // SAFETY: AVX2 and FMA were detected at run time.
-        return unsafe { fused::quantize_blocks(x, block, q, d) };
+        return unsafe { fused::quantize_blocks(x, block, sum_len, q, d, sums) };
     }
-    quantize_lanes(x, block, q, d)
+    quantize_lanes(x, block, q, d);
+    for (sum, q) in sums.iter_mut().zip(q[..x.len()].chunks_exact(sum_len)) {
+        *sum = q.iter().map(|&v| v as i32).sum();
+    }
 }
 
 fn quantize_lanes(x: &[f32], block: usize, q: &mut [i8], d: &mut [f32]) {
@@ -1166,15 +1205,21 @@ mod tests {
             .collect();
         x[32..64].iter_mut().for_each(|v| *v = 0.0);
         x[256..512].iter_mut().for_each(|v| *v *= 1e-30);
-        for block in [32, 256] {
+        for (block, sum_len) in [(32, 32), (32, 16), (256, 32), (256, 16)] {
             let (mut qa, mut da) = (vec![0i8; x.len()], vec![0f32; x.len() / block]);
             let (mut qb, mut db) = (qa.clone(), da.clone());
+            let mut sums = vec![0i32; x.len() / sum_len];
             quantize_lanes(&x, block, &mut qa, &mut da);
             // SAFETY: AVX2 and FMA were detected.
-            unsafe { fused::quantize_blocks(&x, block, &mut qb, &mut db) };
+            unsafe { fused::quantize_blocks(&x, block, sum_len, &mut qb, &mut db, &mut sums) };
             assert_eq!(qa, qb, "blocks of {block}");
             assert!(da.iter().zip(&db).all(|(a, b)| a.to_bits() == b.to_bits()));
             assert!(qa.contains(&127) && qa.contains(&-127));
+            let want: Vec<i32> = qa
+                .chunks_exact(sum_len)
+                .map(|q| q.iter().map(|&v| v as i32).sum())
+                .collect();
+            assert_eq!(sums, want, "sums of {sum_len} in blocks of {block}");
         }
     }
 
