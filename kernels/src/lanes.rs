@@ -819,9 +819,17 @@ pub(crate) use dispatch;
 
 /// A pointer that parallel tasks share to write disjoint elements of one buffer (each use says
 /// why its elements are disjoint).
-pub(crate) struct SyncPtr(pub(crate) *mut f32);
+pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
 // SAFETY: only used by tasks writing disjoint elements, see above.
-unsafe impl Sync for SyncPtr {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+
+impl<T> SyncPtr<T> {
+    /// The pointer, through the wrapper: a closure that names `.0` would capture the bare
+    /// pointer, which is not `Sync`.
+    pub(crate) fn get(&self) -> *mut T {
+        self.0
+    }
+}
 
 /// The lane sum every loop uses: halves, then pairs, then the last two.
 #[inline(always)]
@@ -899,32 +907,91 @@ fn exp_nonpositive<A: Arith + ?Sized>(x: f32) -> f32 {
     }
 }
 
+/// Rows from which the row-wise float loops (RMSNorm, SwiGLU, the activations' quantization)
+/// split their rows over the compute team: a tree's. A decoding step's row stays on the calling
+/// thread, where a parallel section would cost more than the loop.
+const TEAM_ROWS: usize = 4;
+
+/// Runs `row(r)` for each of `rows` rows: on the compute team from [`TEAM_ROWS`] rows, else on
+/// the calling thread. Each row's result is the same either way (rows are independent).
+pub(crate) fn by_rows(rows: usize, row: impl Fn(usize) + Sync) {
+    if rows >= TEAM_ROWS {
+        crate::team::for_each(rows, row)
+    } else {
+        (0..rows).for_each(row)
+    }
+}
+
 /// RMSNorm of each row of `x` (`w.len()` wide), times `w`, into `y`. The sum of squares is the
 /// dot routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends
 /// on the row alone.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
-    assert_eq!(x.len() % w.len().max(1), 0, "x is not [rows, w.len()]");
+    let d = w.len();
+    assert_eq!(x.len() % d.max(1), 0, "x is not [rows, w.len()]");
     assert_eq!(y.len(), x.len(), "y is not x's shape");
-    dispatch!(rms_norm_lanes::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = y));
+    let y = SyncPtr(y.as_mut_ptr());
+    by_rows(x.len().checked_div(d).unwrap_or(0), |r| {
+        // SAFETY: row r of `y` lies inside it (same shape as `x`), and only row r's call writes it.
+        let y = unsafe { std::slice::from_raw_parts_mut(y.get().add(r * d), d) };
+        let x = &x[r * d..(r + 1) * d];
+        dispatch!(rms_norm_row::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = y));
+    });
+}
+
+/// The residual step of a layer: `x += h` (a sublayer's output joins the residual stream), then
+/// `h` = [`rms_norm`] of the new `x`, row by row: one pass over each row instead of two, and on the
+/// compute team for a tree's rows. The same bits as the add followed by [`rms_norm`].
+pub fn add_rms_norm(x: &mut [f32], h: &mut [f32], w: &[f32], eps: f32) {
+    let d = w.len();
+    assert_eq!(x.len() % d.max(1), 0, "x is not [rows, w.len()]");
+    assert_eq!(h.len(), x.len(), "h is not x's shape");
+    let rows = x.len().checked_div(d).unwrap_or(0);
+    let (x, h) = (SyncPtr(x.as_mut_ptr()), SyncPtr(h.as_mut_ptr()));
+    by_rows(rows, |r| {
+        // SAFETY: row r of `x` and of `h` lie inside them (one shape), and only row r's call
+        // touches them.
+        let (x, h) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(x.get().add(r * d), d),
+                std::slice::from_raw_parts_mut(h.get().add(r * d), d),
+            )
+        };
+        dispatch!(add_rms_norm_row::<A>(x: &mut [f32] = x, h: &mut [f32] = h, w: &[f32] = w, eps: f32 = eps));
+    });
 }
 
 #[inline(always)]
-fn rms_norm_lanes<A: Arith>(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
-    let d = w.len();
-    for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-        let squares = A::dots(xr, [xr])[0];
-        let scale = 1.0 / (squares / d as f32 + eps).sqrt();
-        for ((y, &x), &w) in yr.iter_mut().zip(xr).zip(w) {
-            *y = x * scale * w;
-        }
+fn rms_norm_row<A: Arith>(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let squares = A::dots(x, [x])[0];
+    let scale = 1.0 / (squares / w.len() as f32 + eps).sqrt();
+    for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+        *y = x * scale * w;
     }
 }
 
-/// `g = silu(g) * u` elementwise (the SwiGLU of a feed-forward block), with [`exp_nonpositive`]:
-/// `sigmoid(g)` is `1 / (1 + e)` for `g >= 0` and `e / (1 + e)` below, `e = exp(-|g|)`.
-pub fn swiglu(g: &mut [f32], u: &[f32]) {
+#[inline(always)]
+fn add_rms_norm_row<A: Arith>(x: &mut [f32], h: &mut [f32], w: &[f32], eps: f32) {
+    for (x, &h) in x.iter_mut().zip(h.iter()) {
+        *x += h;
+    }
+    rms_norm_row::<A>(x, w, eps, h);
+}
+
+/// `g = silu(g) * u` elementwise (the SwiGLU of a feed-forward block) over `rows` rows, with
+/// [`exp_nonpositive`]: `sigmoid(g)` is `1 / (1 + e)` for `g >= 0` and `e / (1 + e)` below,
+/// `e = exp(-|g|)`. Each value's operations are the same wherever a row starts, so the split
+/// over the compute team ([`by_rows`]) never changes a bit.
+pub fn swiglu(g: &mut [f32], u: &[f32], rows: usize) {
     assert_eq!(g.len(), u.len(), "gate and up differ in length");
-    dispatch!(swiglu_lanes::<A>(g: &mut [f32] = g, u: &[f32] = u))
+    assert_eq!(g.len() % rows.max(1), 0, "g is not [rows, width]");
+    let width = g.len().checked_div(rows).unwrap_or(0);
+    let g = SyncPtr(g.as_mut_ptr());
+    by_rows(rows, |r| {
+        // SAFETY: row r's values lie inside `g`, and only row r's call writes them.
+        let g = unsafe { std::slice::from_raw_parts_mut(g.get().add(r * width), width) };
+        let u = &u[r * width..(r + 1) * width];
+        dispatch!(swiglu_lanes::<A>(g: &mut [f32] = g, u: &[f32] = u))
+    });
 }
 
 #[inline(always)]
@@ -1243,12 +1310,64 @@ mod tests {
         assert!(a.contains(&0.0) && a.contains(&1.0));
     }
 
+    /// A row's norm is the same bits alone and among a tree's rows (split over the compute team),
+    /// the fused residual step gives the bits of the add followed by the norm, and both are the
+    /// norm by its definition.
     #[test]
-    fn swiglu_matches_its_definition() {
+    fn rms_norm_rows_alone_or_together_and_fused_with_the_residual() {
+        let (d, rows, eps) = (200, 9, 1e-5);
+        let x: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 7919) % 997) as f32 * 0.01 - 4.0)
+            .collect();
+        let h: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 104_729) % 991) as f32 * 0.002 - 1.0)
+            .collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.01).collect();
+        let sum: Vec<f32> = x.iter().zip(&h).map(|(x, h)| x + h).collect();
+        let mut together = vec![0f32; rows * d];
+        rms_norm(&sum, &w, eps, &mut together);
+        for r in 0..rows {
+            let mut alone = vec![0f32; d];
+            rms_norm(&sum[r * d..(r + 1) * d], &w, eps, &mut alone);
+            assert!(alone
+                .iter()
+                .zip(&together[r * d..])
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let row = &sum[r * d..(r + 1) * d];
+            let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+            for ((&v, &w), &got) in row.iter().zip(&w).zip(&alone) {
+                let want = v as f64 / (ms + eps as f64).sqrt() * w as f64;
+                assert!(
+                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{got} vs {want}"
+                );
+            }
+        }
+        let (mut fused_x, mut fused_h) = (x.clone(), h.clone());
+        add_rms_norm(&mut fused_x, &mut fused_h, &w, eps);
+        assert!(fused_x
+            .iter()
+            .zip(&sum)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(fused_h
+            .iter()
+            .zip(&together)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+
+    #[test]
+    fn swiglu_matches_its_definition_in_rows_or_whole() {
         let g: Vec<f32> = (0..2001).map(|i| (i as f32 - 1000.0) * 0.02).collect();
         let u: Vec<f32> = g.iter().map(|x| 1.5 - x * 0.1).collect();
         let mut out = g.clone();
-        swiglu(&mut out, &u);
+        swiglu(&mut out, &u, 1);
+        let mut rows = g.clone();
+        swiglu(&mut rows[..2000], &u[..2000], 8);
+        swiglu(&mut rows[2000..], &u[2000..], 1);
+        assert!(rows
+            .iter()
+            .zip(&out)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
         for ((o, &g), &u) in out.iter().zip(&g).zip(&u) {
             let want = g as f64 / (1.0 + (-g as f64).exp()) * u as f64;
             assert!(

@@ -18,5 +18,5 @@ mod team;
 mod weight_buffer;
 
 pub use attention::{tree_attention, AttentionShape, KvRows};
-pub use lanes::{rms_norm, swiglu};
+pub use lanes::{add_rms_norm, rms_norm, swiglu};
 pub use quant::{matmul_many, read_ahead, F32Matrix, QuantFormat, QuantMatrix};

@@ -1042,7 +1042,25 @@ impl QuantizedActs {
         self.d.resize(x.len() / act, 0.0);
         self.sums.clear();
         self.sums.resize(x.len() / e, 0);
-        lanes::quantize_blocks(x, act, e, &mut self.q, &mut self.d, &mut self.sums);
+        let cols = m.cols;
+        let (q, d, sums) = (
+            SyncPtr(self.q.as_mut_ptr()),
+            SyncPtr(self.d.as_mut_ptr()),
+            SyncPtr(self.sums.as_mut_ptr()),
+        );
+        lanes::by_rows(x.len() / cols, |r| {
+            // SAFETY: row r's values, scales and sums lie inside the buffers sized above (a
+            // row's width is a multiple of the activation block), and only row r's call writes
+            // them.
+            let (q, d, sums) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(q.get().add(r * cols), cols),
+                    std::slice::from_raw_parts_mut(d.get().add(r * cols / act), cols / act),
+                    std::slice::from_raw_parts_mut(sums.get().add(r * cols / e), cols / e),
+                )
+            };
+            lanes::quantize_blocks(&x[r * cols..(r + 1) * cols], act, e, q, d, sums);
+        });
         self.corr.clear();
         self.corr.extend(self.sums.iter().map(|&sum| -z * sum));
         self.dsum.clear();

@@ -3,8 +3,8 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use specinfer_kernels::{
-    matmul_many, read_ahead, rms_norm, swiglu, tree_attention, AttentionShape, F32Matrix,
-    QuantFormat, QuantMatrix,
+    add_rms_norm, matmul_many, read_ahead, rms_norm, swiglu, tree_attention, AttentionShape,
+    F32Matrix, QuantFormat, QuantMatrix,
 };
 use specinfer_wire::TokenTree;
 
@@ -418,7 +418,13 @@ impl Llama {
         };
         let mut a = Activations::new(rows, d, q_row, kv_row, cfg.ffn_dim);
         for (li, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, cfg.rms_eps, &mut a.h);
+            // From the second layer on, `a.h` holds the layer before's MLP output, which joins
+            // the residual stream as the norm reads it.
+            if li == 0 {
+                rms_norm(&x, &layer.attn_norm, cfg.rms_eps, &mut a.h);
+            } else {
+                add_rms_norm(&mut x, &mut a.h, &layer.attn_norm, cfg.rms_eps);
+            }
             // Each product names the one after it: the team's helpers read their shares of it
             // ahead while they wait (attention, and the serial work between sections).
             read_ahead_of([&layer.o]);
@@ -455,9 +461,7 @@ impl Llama {
             }
             read_ahead_of([&layer.gate, &layer.up]);
             layer.o.forward_into(&a.attn, rows, &mut a.h)?;
-            x.iter_mut().zip(&a.h).for_each(|(x, o)| *x += o);
-
-            rms_norm(&x, &layer.ffn_norm, cfg.rms_eps, &mut a.h);
+            add_rms_norm(&mut x, &mut a.h, &layer.ffn_norm, cfg.rms_eps);
             read_ahead_of([&layer.down]);
             forward_many(
                 [&layer.gate, &layer.up],
@@ -465,13 +469,12 @@ impl Llama {
                 rows,
                 [&mut a.gate, &mut a.up],
             )?;
-            swiglu(&mut a.gate, &a.up);
+            swiglu(&mut a.gate, &a.up, rows);
             match self.layers.get(li + 1) {
                 Some(next) => read_ahead_of([&next.q, &next.k, &next.v]),
                 None => read_ahead_of([&self.lm_head]),
             }
             layer.down.forward_into(&a.gate, rows, &mut a.h)?;
-            x.iter_mut().zip(&a.h).for_each(|(x, y)| *x += y);
         }
         let vocab = cfg.vocab_size;
         let counts: Vec<usize> = seqs.iter().map(|s| s.tree.len() - s.first).collect();
@@ -481,9 +484,14 @@ impl Llama {
             .filter(|(_, &w)| w)
             .map(|(n, _)| n)
             .sum();
-        // Every node's feature (the head's input); cheap next to the head itself.
-        let mut h = vec![0f32; x.len()];
-        rms_norm(&x, &self.final_norm, cfg.rms_eps, &mut h);
+        // Every node's feature (the head's input); cheap next to the head itself. The last
+        // layer's MLP output joins the residual stream as the final norm reads it.
+        let mut h = std::mem::take(&mut a.h);
+        if self.layers.is_empty() {
+            rms_norm(&x, &self.final_norm, cfg.rms_eps, &mut h);
+        } else {
+            add_rms_norm(&mut x, &mut h, &self.final_norm, cfg.rms_eps);
+        }
         let mut start = 0;
         let mut out: Vec<Logits> = counts
             .iter()
