@@ -1048,7 +1048,7 @@ impl QuantizedActs {
             SyncPtr(self.d.as_mut_ptr()),
             SyncPtr(self.sums.as_mut_ptr()),
         );
-        lanes::by_rows(x.len() / cols, |r| {
+        lanes::by_rows(x.len().checked_div(cols).unwrap_or(0), |r| {
             // SAFETY: row r's values, scales and sums lie inside the buffers sized above (a
             // row's width is a multiple of the activation block), and only row r's call writes
             // them.
