@@ -552,7 +552,7 @@ fn score_rows<A: Arith, E, T: CacheValue>(
             let row = a.offsets[r];
             // SAFETY: prefix entries `pos..pos + len` of row r are inside the buffer, and only
             // the task of (kv head kh, these rows and positions) writes them.
-            let dst = unsafe { std::slice::from_raw_parts_mut(scores.0.add(row + pos), len) };
+            let dst = unsafe { scores.slice_mut(row + pos, len) };
             // A block and single positions give the same bits (see `Arith::dots`).
             if len == SCORE_BLOCK {
                 A::scaled_dots8(q, k, k_at(pos), stride, a.scale, dst);
@@ -597,11 +597,9 @@ fn softmax_row<A: Arith, E: CacheValue>(a: &Attention<E>, r: usize, w: &Weights)
     // SAFETY: row r's scores and sum lie inside their buffers, and only this task touches them.
     let (row, inv) = unsafe {
         (
-            std::slice::from_raw_parts_mut(
-                w.scores.0.add(a.offsets[r]),
-                a.offsets[r + 1] - a.offsets[r],
-            ),
-            &mut *w.inv_sums.0.add(r),
+            w.scores
+                .slice_mut(a.offsets[r], a.offsets[r + 1] - a.offsets[r]),
+            &mut w.inv_sums.slice_mut(r, 1)[0],
         )
     };
     let (i, h) = (r / a.shape.n_heads, r % a.shape.n_heads);

@@ -824,10 +824,14 @@ pub(crate) struct SyncPtr<T = f32>(pub(crate) *mut T);
 unsafe impl<T> Sync for SyncPtr<T> {}
 
 impl<T> SyncPtr<T> {
-    /// The pointer, through the wrapper: a closure that names `.0` would capture the bare
-    /// pointer, which is not `Sync`.
-    pub(crate) fn get(&self) -> *mut T {
-        self.0
+    /// Elements `start..start + len` of the buffer, for the one task that writes them (a method,
+    /// so that a closure calling it captures the wrapper, not the bare pointer, which is not
+    /// `Sync`).
+    ///
+    /// # Safety
+    /// The elements lie inside the buffer, and nothing else touches them while the slice lives.
+    pub(crate) unsafe fn slice_mut<'a>(&self, start: usize, len: usize) -> &'a mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
     }
 }
 
@@ -932,7 +936,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     let y = SyncPtr(y.as_mut_ptr());
     by_rows(x.len().checked_div(d).unwrap_or(0), |r| {
         // SAFETY: row r of `y` lies inside it (same shape as `x`), and only row r's call writes it.
-        let y = unsafe { std::slice::from_raw_parts_mut(y.get().add(r * d), d) };
+        let y = unsafe { y.slice_mut(r * d, d) };
         let x = &x[r * d..(r + 1) * d];
         dispatch!(rms_norm_row::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = y));
     });
@@ -950,12 +954,7 @@ pub fn add_rms_norm(x: &mut [f32], h: &mut [f32], w: &[f32], eps: f32) {
     by_rows(rows, |r| {
         // SAFETY: row r of `x` and of `h` lie inside them (one shape), and only row r's call
         // touches them.
-        let (x, h) = unsafe {
-            (
-                std::slice::from_raw_parts_mut(x.get().add(r * d), d),
-                std::slice::from_raw_parts_mut(h.get().add(r * d), d),
-            )
-        };
+        let (x, h) = unsafe { (x.slice_mut(r * d, d), h.slice_mut(r * d, d)) };
         dispatch!(add_rms_norm_row::<A>(x: &mut [f32] = x, h: &mut [f32] = h, w: &[f32] = w, eps: f32 = eps));
     });
 }
@@ -988,7 +987,7 @@ pub fn swiglu(g: &mut [f32], u: &[f32], rows: usize) {
     let g = SyncPtr(g.as_mut_ptr());
     by_rows(rows, |r| {
         // SAFETY: row r's values lie inside `g`, and only row r's call writes them.
-        let g = unsafe { std::slice::from_raw_parts_mut(g.get().add(r * width), width) };
+        let g = unsafe { g.slice_mut(r * width, width) };
         let u = &u[r * width..(r + 1) * width];
         dispatch!(swiglu_lanes::<A>(g: &mut [f32] = g, u: &[f32] = u))
     });

@@ -1054,9 +1054,9 @@ impl QuantizedActs {
             // them.
             let (q, d, sums) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(q.get().add(r * cols), cols),
-                    std::slice::from_raw_parts_mut(d.get().add(r * cols / act), cols / act),
-                    std::slice::from_raw_parts_mut(sums.get().add(r * cols / e), cols / e),
+                    q.slice_mut(r * cols, cols),
+                    d.slice_mut(r * cols / act, cols / act),
+                    sums.slice_mut(r * cols / e, cols / e),
                 )
             };
             lanes::quantize_blocks(&x[r * cols..(r + 1) * cols], act, e, q, d, sums);
@@ -1870,7 +1870,7 @@ impl F32Matrix {
                 let r0 = c * CHUNK;
                 let count = CHUNK.min(self.rows - r0);
                 // SAFETY: task c alone writes rows r0..r0 + count of `tr` (`[rows, n]`).
-                let chunk = unsafe { std::slice::from_raw_parts_mut(at.0.add(r0 * n), count * n) };
+                let chunk = unsafe { at.slice_mut(r0 * n, count * n) };
                 rows(r0, chunk)
             });
         }
