@@ -997,8 +997,9 @@ impl Path {
 
     /// The path for `n` activation rows. All paths give the same bits, so the choice may depend
     /// on the batch: with one or two rows the 256-bit VNNI path measured about 5 % faster than
-    /// the 512-bit one on this project's machine (AMD EPYC with both), with more rows the 512-bit
-    /// one is faster.
+    /// the 512-bit one on the AMD EPYC with both that this project ran on in November 2026, with
+    /// more rows the 512-bit one is faster. (AMD Zen 4 has no AVX-VNNI; there the same 256-bit
+    /// kernel with the AVX-512 encoding of its dot was no faster, see `Path::VnniVl`.)
     fn detect(n: usize) -> Path {
         static PATHS: std::sync::OnceLock<Vec<Path>> = std::sync::OnceLock::new();
         let paths = PATHS.get_or_init(Path::available);
