@@ -926,6 +926,16 @@ pub(crate) fn by_rows(rows: usize, row: impl Fn(usize) + Sync) {
     }
 }
 
+/// [`by_rows`] over the rows of `y` (`width` values each): `row(r, y_r)` with row r of `y`.
+fn by_rows_of(y: &mut [f32], width: usize, row: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = y.len().checked_div(width).unwrap_or(0);
+    let y = SyncPtr(y.as_mut_ptr());
+    by_rows(rows, |r| {
+        // SAFETY: row r lies inside `y`, and only row r's call touches it.
+        row(r, unsafe { y.slice_mut(r * width, width) })
+    });
+}
+
 /// RMSNorm of each row of `x` (`w.len()` wide), times `w`, into `y`. The sum of squares is the
 /// dot routine's (eight lanes in order, then [`hsum8`] and the tail), so a row's result depends
 /// on the row alone.
@@ -933,10 +943,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
     let d = w.len();
     assert_eq!(x.len() % d.max(1), 0, "x is not [rows, w.len()]");
     assert_eq!(y.len(), x.len(), "y is not x's shape");
-    let y = SyncPtr(y.as_mut_ptr());
-    by_rows(x.len().checked_div(d).unwrap_or(0), |r| {
-        // SAFETY: row r of `y` lies inside it (same shape as `x`), and only row r's call writes it.
-        let y = unsafe { y.slice_mut(r * d, d) };
+    by_rows_of(y, d, |r, y| {
         let x = &x[r * d..(r + 1) * d];
         dispatch!(rms_norm_row::<A>(x: &[f32] = x, w: &[f32] = w, eps: f32 = eps, y: &mut [f32] = y));
     });
@@ -984,10 +991,7 @@ pub fn swiglu(g: &mut [f32], u: &[f32], rows: usize) {
     assert_eq!(g.len(), u.len(), "gate and up differ in length");
     assert_eq!(g.len() % rows.max(1), 0, "g is not [rows, width]");
     let width = g.len().checked_div(rows).unwrap_or(0);
-    let g = SyncPtr(g.as_mut_ptr());
-    by_rows(rows, |r| {
-        // SAFETY: row r's values lie inside `g`, and only row r's call writes them.
-        let g = unsafe { g.slice_mut(r * width, width) };
+    by_rows_of(g, width, |r, g| {
         let u = &u[r * width..(r + 1) * width];
         dispatch!(swiglu_lanes::<A>(g: &mut [f32] = g, u: &[f32] = u))
     });
